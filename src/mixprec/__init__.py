@@ -1,0 +1,42 @@
+"""mixprec: automatic mixed-precision training for PyTorch.
+
+The public API is what this module exports; everything in submodules whose names are not listed
+here may change without notice.
+"""
+
+from mixprec._version import __version__
+from mixprec.dtypes import default_dtype
+from mixprec.eager import (
+    autocast,
+    custom_bwd,
+    custom_fwd,
+    float_function,
+    get_autocast_dtype,
+    get_autocast_policy,
+    half_function,
+    is_autocast_enabled,
+    promote_function,
+)
+from mixprec.errors import AutocastError, BannedOpError, MixprecError, PolicyError
+from mixprec.policy import Decision, OpCategory, Policy
+
+__all__ = [
+    "AutocastError",
+    "BannedOpError",
+    "Decision",
+    "MixprecError",
+    "OpCategory",
+    "Policy",
+    "PolicyError",
+    "__version__",
+    "autocast",
+    "custom_bwd",
+    "custom_fwd",
+    "default_dtype",
+    "float_function",
+    "get_autocast_dtype",
+    "get_autocast_policy",
+    "half_function",
+    "is_autocast_enabled",
+    "promote_function",
+]

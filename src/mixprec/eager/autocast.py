@@ -1,0 +1,202 @@
+"""`autocast`: the region that runs each torch op in the precision the policy picks for it.
+
+Same signature and semantics as ``torch.autocast``, implemented by mixprec above autograd: the
+casts it inserts are ordinary autograd ops, so backward runs in the dtypes the forward used.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import warnings
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from torch.overrides import _pop_mode, _push_mode
+
+from mixprec.dtypes import default_dtype, parse_device_type, parse_dtype, resolve_dtype
+from mixprec.eager.mode import AutocastMode, find_mode
+from mixprec.eager.rules import Region
+from mixprec.errors import AutocastError
+from mixprec.policy.policy import Policy
+
+__all__ = ["autocast", "get_autocast_dtype", "get_autocast_policy", "is_autocast_enabled"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class autocast:  # noqa: N801 - lowercase, like torch.autocast: it reads as a function after `with`
+    """Run the ops of a region in the precision a :class:`~mixprec.Policy` picks for each.
+
+    Inside the region, matmuls and convolutions run in the low dtype, range-sensitive ops and
+    losses in fp32, reductions with fp32 accumulation, and ops mixing dtypes in the widest one;
+    everything else runs in its input dtype. With the default policy that is exactly what
+    ``torch.autocast`` does, op for op; edit the policy to change any op.
+
+    Wrap the forward pass and the loss only: backward ops run in the dtype their forward ops used.
+
+    Args:
+        device_type: ``'cuda'``, ``'cpu'``, ``'xpu'`` or ``'mps'``. Tensors on other devices, fp64
+            tensors and non-floating tensors are never cast.
+        dtype: the low dtype (``torch.float16``/``'fp16'``, ``torch.bfloat16``/``'bf16'``).
+            Default: the policy's compute dtype, else fp16 on CUDA and bf16 on CPU. fp16 on CPU
+            is allowed but slow on most CPUs (no fast fp16 matmul kernels).
+        enabled: False makes the region a no-op; inside an enabled region it switches autocast off
+            for `device_type` until the inner region exits.
+        cache_enabled: cache the low-precision cast of each fp32 weight for the region (one cast
+            per weight per outermost region). None keeps the enclosing region's setting (True at
+            the outermost level).
+        policy: a :class:`~mixprec.Policy` or its string form. Default: ``Policy()``.
+
+    Raises:
+        PolicyError: unknown device type or dtype, or a dtype that is not 16-bit.
+        AutocastError: bf16 on a CUDA GPU without bf16 support.
+
+    Costs:
+        Each torch call in the region pays a Python-level dispatch (about a microsecond), and the
+        casts themselves. No host-device synchronisation.
+
+    Examples:
+        >>> model = torch.nn.Linear(4, 4)
+        >>> with mixprec.autocast("cpu"):
+        ...     y = model(torch.randn(2, 4))
+        >>> y.dtype
+        torch.bfloat16
+    """
+
+    def __init__(
+        self,
+        device_type: str,
+        dtype: str | torch.dtype | None = None,
+        enabled: bool = True,
+        cache_enabled: bool | None = None,
+        policy: Policy | str | None = None,
+    ) -> None:
+        self.device_type = parse_device_type(device_type)
+        if not isinstance(enabled, bool):
+            raise TypeError(f"enabled must be a bool, got {type(enabled).__name__} {enabled!r}.")
+        if cache_enabled is not None and not isinstance(cache_enabled, bool):
+            raise TypeError(
+                f"cache_enabled must be a bool or None, got {type(cache_enabled).__name__}."
+            )
+        if isinstance(policy, str):
+            policy = Policy.from_string(policy)
+        elif policy is None:
+            policy = Policy()
+        elif not isinstance(policy, Policy):
+            raise TypeError(
+                f"policy must be a mixprec.Policy or its string form, got "
+                f"{type(policy).__name__}."
+            )
+        self.policy = policy
+        if dtype is not None:
+            parse_dtype(dtype, low_only=True)  # validate even when disabled
+        if enabled and self.device_type == "cuda" and not torch.cuda.is_available():
+            warnings.warn(
+                "mixprec.autocast('cuda') was requested but CUDA is not available; the region is "
+                "disabled. Use device_type='cpu' to autocast on the CPU.",
+                stacklevel=2,
+            )
+            enabled = False
+        self.enabled = enabled
+        if enabled:
+            choice = resolve_dtype(self.device_type, dtype, policy.compute)
+        elif dtype is not None:
+            choice = resolve_dtype(self.device_type, dtype)
+        else:
+            choice = default_dtype(self.device_type)
+        self.dtype: torch.dtype = choice.dtype
+        #: Why `dtype` was chosen (argument, policy or device default).
+        self.dtype_reason: str = choice.reason
+        self.cache_enabled = cache_enabled
+        self._frames: list[tuple[AutocastMode | None, tuple[Region, ...], bool, bool]] = []
+
+    def __repr__(self) -> str:
+        return (
+            f"mixprec.autocast({self.device_type!r}, dtype={self.dtype}, enabled={self.enabled}, "
+            f"cache_enabled={self.cache_enabled}, policy={self.policy!r})"
+        )
+
+    def __enter__(self) -> autocast:
+        mode = find_mode()
+        prev_regions = mode.regions if mode is not None else ()
+        prev_cache = mode.cache_enabled if mode is not None else True
+        regions = tuple(r for r in prev_regions if r[0] != self.device_type)
+        if self.enabled:
+            regions = tuple(sorted((*regions, (self.device_type, self.dtype, self.policy)),
+                                   key=lambda r: r[0]))  # fmt: skip
+        cache = prev_cache if self.cache_enabled is None else self.cache_enabled
+        pushed = False
+        if mode is None:
+            if not regions:
+                # Nothing enabled and no region open: a true no-op (no mode, no dispatch cost).
+                self._frames.append((None, (), True, False))
+                return self
+            mode = AutocastMode()
+            _push_mode(mode)
+            pushed = True
+        mode.depth += 1
+        mode.set_state(regions, cache)
+        self._frames.append((mode, prev_regions, prev_cache, pushed))
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        mode, prev_regions, prev_cache, pushed = self._frames.pop()
+        if mode is None:
+            return
+        mode.set_state(prev_regions, prev_cache)
+        mode.depth -= 1
+        if mode.depth == 0:
+            mode.cache.clear()  # cast weights live for one outermost region only
+        if pushed:
+            top = torch.overrides._get_current_function_mode()
+            if top is not mode:
+                raise AutocastError(
+                    "mixprec.autocast exited while another torch function mode opened inside it "
+                    "is still active. Exit regions and modes in the reverse order of entering."
+                )
+            _pop_mode()
+
+    def __call__(self, func: F) -> F:
+        """Use the region as a decorator: each call of `func` runs in a fresh region."""
+
+        @functools.wraps(func)
+        def decorate_autocast(*a: Any, **kw: Any) -> Any:
+            region = copy.copy(self)  # validated once; a fresh frame stack per call and thread
+            region._frames = []
+            with region:
+                return func(*a, **kw)
+
+        return decorate_autocast  # type: ignore[return-value]
+
+
+def _region(device_type: str) -> Region | None:
+    mode = find_mode()
+    if mode is None:
+        return None
+    for region in mode.regions:
+        if region[0] == device_type:
+            return region
+    return None
+
+
+def is_autocast_enabled(device_type: str | None = None) -> bool:
+    """Whether a mixprec.autocast region is enabled on this thread (for `device_type`, or any)."""
+    if device_type is None:
+        mode = find_mode()
+        return mode is not None and bool(mode.regions)
+    return _region(parse_device_type(device_type)) is not None
+
+
+def get_autocast_dtype(device_type: str) -> torch.dtype:
+    """The low dtype of the enabled region on `device_type`, else the device default."""
+    device_type = parse_device_type(device_type)
+    region = _region(device_type)
+    return region[1] if region is not None else default_dtype(device_type).dtype
+
+
+def get_autocast_policy(device_type: str) -> Policy | None:
+    """The policy of the enabled region on `device_type`, or None outside such a region."""
+    region = _region(parse_device_type(device_type))
+    return region[2] if region is not None else None

@@ -1,0 +1,63 @@
+"""Exception types raised by mixprec, and the helper that lists valid options in messages.
+
+Every error a user can cause names the bad value, lists what would have been accepted, and says
+how to fix it. Lists of valid names are generated from the tables they come from, never typed by
+hand, so a message cannot advertise an option that does not exist.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+__all__ = [
+    "AutocastError",
+    "BannedOpError",
+    "MixprecError",
+    "PolicyError",
+    "format_options",
+    "unknown_value",
+]
+
+
+class MixprecError(Exception):
+    """Base class of every error mixprec raises on purpose."""
+
+
+class PolicyError(MixprecError, ValueError):
+    """A policy, an op name, a category, a dtype or a device type is not valid."""
+
+
+class AutocastError(MixprecError, RuntimeError):
+    """An autocast region was used in a way that cannot work (device or dtype unsupported)."""
+
+
+class BannedOpError(MixprecError, RuntimeError):
+    """An op the policy marks as unsafe to autocast was called inside an autocast region."""
+
+
+def format_options(options: Iterable[object]) -> str:
+    """Render valid options as ``'a', 'b' or 'c'`` (sorted, quoted)."""
+    items = sorted({str(o) for o in options})
+    quoted = [repr(o) for o in items]
+    if not quoted:
+        return "(none)"
+    if len(quoted) == 1:
+        return quoted[0]
+    return ", ".join(quoted[:-1]) + " or " + quoted[-1]
+
+
+def unknown_value(kind: str, value: object, options: Iterable[object], hint: str = "") -> str:
+    """Build the message for an unknown name: what was given, close matches, the valid options."""
+    opts = sorted({str(o) for o in options})
+    msg = f"unknown {kind} {value!r}."
+    close = difflib.get_close_matches(str(value), opts, n=3, cutoff=0.6)
+    if close:
+        msg += f" Did you mean {format_options(close)}?"
+    if len(opts) <= 40:
+        msg += f" Valid {kind}s: {format_options(opts)}."
+    else:
+        msg += f" There are {len(opts)} valid {kind}s."
+    if hint:
+        msg += " " + hint
+    return msg
