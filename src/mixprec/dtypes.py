@@ -120,7 +120,14 @@ def parse_device_type(device_type: str | torch.device) -> str:
         )
     name = device_type.split(":", 1)[0].strip().lower()
     if name not in _DEVICE_DEFAULTS:
-        raise PolicyError(unknown_value("device type", device_type, DEVICE_TYPES))
+        raise PolicyError(
+            unknown_value(
+                "device type",
+                device_type,
+                DEVICE_TYPES,
+                hint="NVIDIA and AMD GPUs are 'cuda', Intel GPUs 'xpu', Apple GPUs 'mps'.",
+            )
+        )
     return name
 
 

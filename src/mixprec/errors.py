@@ -50,14 +50,15 @@ def format_options(options: Iterable[object]) -> str:
 def unknown_value(kind: str, value: object, options: Iterable[object], hint: str = "") -> str:
     """Build the message for an unknown name: what was given, close matches, the valid options."""
     opts = sorted({str(o) for o in options})
+    plural = kind[:-1] + "ies" if kind.endswith("y") else kind + "s"
     msg = f"unknown {kind} {value!r}."
     close = difflib.get_close_matches(str(value), opts, n=3, cutoff=0.6)
     if close:
         msg += f" Did you mean {format_options(close)}?"
     if len(opts) <= 40:
-        msg += f" Valid {kind}s: {format_options(opts)}."
+        msg += f" Valid {plural}: {format_options(opts)}."
     else:
-        msg += f" There are {len(opts)} valid {kind}s."
+        msg += f" There are {len(opts)} valid {plural}."
     if hint:
         msg += " " + hint
     return msg

@@ -17,16 +17,16 @@ from torch.overrides import _pop_mode, _push_mode
 
 from mixprec.dtypes import default_dtype, parse_device_type, parse_dtype, resolve_dtype
 from mixprec.eager.mode import AutocastMode, find_mode
-from mixprec.eager.rules import Region
+from mixprec.eager.table import Region
 from mixprec.errors import AutocastError
-from mixprec.policy.policy import Policy
+from mixprec.policy.policy import DEFAULT_POLICY, Policy
 
 __all__ = ["autocast", "get_autocast_dtype", "get_autocast_policy", "is_autocast_enabled"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-class autocast:  # noqa: N801 - lowercase, like torch.autocast: it reads as a function after `with`
+class autocast:
     """Run the ops of a region in the precision a :class:`~mixprec.Policy` picks for each.
 
     Inside the region, matmuls and convolutions run in the low dtype, range-sensitive ops and
@@ -83,11 +83,10 @@ class autocast:  # noqa: N801 - lowercase, like torch.autocast: it reads as a fu
         if isinstance(policy, str):
             policy = Policy.from_string(policy)
         elif policy is None:
-            policy = Policy()
+            policy = DEFAULT_POLICY
         elif not isinstance(policy, Policy):
             raise TypeError(
-                f"policy must be a mixprec.Policy or its string form, got "
-                f"{type(policy).__name__}."
+                f"policy must be a mixprec.Policy or its string form, got {type(policy).__name__}."
             )
         self.policy = policy
         if dtype is not None:

@@ -24,7 +24,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["is_python_function", "reachable_names", "reentrant_copy", "transparent_names"]
+__all__ = [
+    "is_python_function",
+    "needs_reentry",
+    "reachable_names",
+    "reentrant_copy",
+    "torch_python_functions",
+    "transparent_names",
+]
 
 # Binary operators in bytecode -> the op a tensor operand dispatches to.
 _OPERATORS = {
@@ -107,18 +114,43 @@ def _is_torch_code(fn: types.FunctionType) -> bool:
     return module == "torch" or module.startswith("torch.")
 
 
+# Namespaces whose Python-level functions dispatch to torch function modes themselves.
+_PY_NAMESPACES = ("torch", "torch.functional", "torch.nn.functional", "torch.linalg",
+                  "torch.fft", "torch.special", "torch.nested", "torch.sparse")  # fmt: skip
+
+
 @functools.cache
-def _torch_python_functions() -> tuple[types.FunctionType, ...]:
+def torch_python_functions() -> tuple[types.FunctionType, ...]:
+    """torch's Python-level wrappers a mode sees: functions and Tensor methods that dispatch.
+
+    A function qualifies if it (or a function in its closure) calls ``handle_torch_function``,
+    i.e. a torch function mode receives it as one call.
+    """
+    import importlib
+
     found: dict[int, types.FunctionType] = {}
-    for funcs in torch.overrides.get_overridable_functions().values():
-        for fn in funcs:
-            if isinstance(fn, types.FunctionType):
-                found[id(fn)] = fn
-    for attr in dir(torch.Tensor):
-        fn = getattr(torch.Tensor, attr, None)
-        if isinstance(fn, types.FunctionType) and _is_torch_code(fn):
-            found[id(fn)] = fn
+    spaces: list[Any] = [importlib.import_module(n) for n in _PY_NAMESPACES]
+    spaces.append(torch.Tensor)
+    for ns in spaces:
+        for value in list(vars(ns).values()):
+            if isinstance(value, types.FunctionType) and _dispatches(value):
+                found[id(value)] = value
     return tuple(found.values())
+
+
+def _dispatches(fn: types.FunctionType) -> bool:
+    if "handle_torch_function" in fn.__code__.co_names:
+        return True
+    for cell in fn.__closure__ or ():
+        try:
+            content = cell.cell_contents
+        except ValueError:
+            continue
+        if isinstance(content, types.FunctionType) and (
+            "handle_torch_function" in content.__code__.co_names
+        ):
+            return True
+    return False
 
 
 @functools.cache
@@ -129,7 +161,7 @@ def transparent_names(ruled: frozenset[str]) -> frozenset[str]:
     adding wrapper names until nothing changes captures that.
     """
     names = set(ruled)
-    funcs = [(fn, reachable_names(fn)) for fn in _torch_python_functions()]
+    funcs = [(fn, reachable_names(fn)) for fn in torch_python_functions()]
     changed = True
     while changed:
         changed = False
@@ -201,7 +233,10 @@ def reentrant_copy(
                 cells.append(cell)
         closure = tuple(cells)
     copy = types.FunctionType(
-        func.__code__, _reentrant_globals(func.__globals__), func.__name__, func.__defaults__,
+        func.__code__,
+        _reentrant_globals(func.__globals__),
+        func.__name__,
+        func.__defaults__,
         closure,
     )
     copy.__kwdefaults__ = func.__kwdefaults__

@@ -23,6 +23,7 @@ from torch.overrides import handle_torch_function, has_torch_function
 
 from mixprec.dtypes import parse_device_type, parse_dtype
 from mixprec.eager.autocast import _region, autocast
+from mixprec.eager.table import declared_functions
 from mixprec.policy.categories import OpCategory
 from mixprec.policy.policy import CATEGORY_ATTR
 
@@ -58,9 +59,7 @@ def custom_fwd(
     fwd: None = None, *, device_type: str, cast_inputs: torch.dtype | str | None = None
 ) -> Callable[[F], F]: ...
 @overload
-def custom_fwd(
-    fwd: F, *, device_type: str, cast_inputs: torch.dtype | str | None = None
-) -> F: ...
+def custom_fwd(fwd: F, *, device_type: str, cast_inputs: torch.dtype | str | None = None) -> F: ...
 def custom_fwd(fwd=None, *, device_type, cast_inputs=None):
     """Decorate ``forward`` of a ``torch.autograd.Function`` for use inside mixprec regions.
 
@@ -136,6 +135,7 @@ def _declare(category: OpCategory, fn: F) -> F:
         return fn(*args, **kwargs)
 
     setattr(dispatchable, CATEGORY_ATTR, category)
+    declared_functions().add(dispatchable)  # so every dispatch table enters it up front
     return dispatchable  # type: ignore[return-value]
 
 

@@ -18,13 +18,12 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from mixprec.eager.rules import DispatchTable, Region, _convert, dispatch_table
+from mixprec.eager.table import EMPTY, MISS, DispatchTable, Region, table_handle, tables
 
 __all__ = ["AutocastMode", "find_mode"]
 
 _FP32 = torch.float32
-_MISS = DispatchTable.MISS
-_EMPTY = DispatchTable(())
+_MISS = MISS
 
 
 class AutocastMode(TorchFunctionMode):
@@ -34,8 +33,8 @@ class AutocastMode(TorchFunctionMode):
         regions: the enabled (device type, low dtype, policy) triples, sorted by device type.
         cache_enabled: whether low-precision casts of fp32 leaf weights are cached.
         depth: how many mixprec regions are open on this mode.
-        cache: ``(id(weight), dtype) -> (weight, version, cast)``; emptied when the outermost
-            region exits.
+        cache: ``id(weight) -> (weight, dtype, version, cast)``, filled by the LOWER rules
+            (see ``rules._cast_one``); emptied when the outermost region exits.
         reentered: Python wrappers whose bodies are running re-entrantly (recursion guard).
     """
 
@@ -43,17 +42,18 @@ class AutocastMode(TorchFunctionMode):
         super().__init__()
         self.regions: tuple[Region, ...] = ()
         self.cache_enabled = True
-        self.table: DispatchTable = _EMPTY
-        self.memo: dict[Any, Any] = _EMPTY.memo
+        self.table: DispatchTable = EMPTY
+        self.memo: dict[Any, Any] = EMPTY.memo
         self.depth = 0
-        self.cache: dict[tuple[int, torch.dtype], tuple[torch.Tensor, int, torch.Tensor]] = {}
+        self.cache: dict[int, tuple[torch.Tensor, torch.dtype, int, torch.Tensor]] = {}
         self.reentered: list[tuple[Callable[..., Any], tuple]] = []
 
     def set_state(self, regions: tuple[Region, ...], cache_enabled: bool) -> None:
         """Switch to another set of enabled regions (cheap: tables are compiled once, cached)."""
+        handle = table_handle(tuple((dev, dt, policy.serial) for dev, dt, policy in regions))
         self.regions = regions
         self.cache_enabled = cache_enabled
-        self.table = dispatch_table(regions) if regions else _EMPTY
+        self.table = tables()[handle]
         self.memo = self.table.memo
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -65,35 +65,6 @@ class AutocastMode(TorchFunctionMode):
             if rule is None:
                 return func(*args, **kwargs) if kwargs else func(*args)
         return rule(self, func, args, kwargs)
-
-    def cast(self, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Cast one eligible tensor, reusing the cast of an fp32 leaf weight within the region.
-
-        Like torch.autocast, only low-precision casts of fp32 leaves that require grad are cached
-        (model weights). Unlike torch, the cache is keyed by the weight *and its version
-        counter*, so a weight updated in place inside a region is cast again, and nothing is
-        cached while grad mode is off (a cast made under no_grad has no autograd history).
-        Caching is skipped while torch.compile traces, which handles casts itself.
-        """
-        if (
-            dtype is not _FP32
-            and value.dtype is _FP32
-            and value.requires_grad
-            and self.cache_enabled
-            and value.is_leaf
-            and torch.is_grad_enabled()
-            and not value._is_view()
-            and not torch.compiler.is_compiling()
-        ):
-            key = (id(value), dtype)
-            hit = self.cache.get(key)
-            version = value._version
-            if hit is not None and hit[0] is value and hit[1] == version:
-                return hit[2]
-            out = _convert(value, dtype)
-            self.cache[key] = (value, version, out)
-            return out
-        return _convert(value, dtype)
 
 
 def find_mode() -> AutocastMode | None:

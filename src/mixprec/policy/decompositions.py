@@ -1,4 +1,4 @@
-"""C++ composite ops: which listed ops their bodies call, so their outer call can inherit a category.
+"""C++ composite ops: which listed ops their bodies call, so the outer call inherits a category.
 
 torch.autocast sits in the dispatcher and casts the ops a C++ composite calls internally: on CPU,
 ``torch.tensordot`` computes in bf16 because its body calls ``mm``. mixprec sees only the outer

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import itertools
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -34,13 +36,16 @@ from mixprec.policy.decompositions import COMPOSITES, Via
 from mixprec.policy.entrypoints import known_op_names, op_name
 from mixprec.policy.tables import TABLES, OpTable
 
-__all__ = ["Override", "Policy", "ResolvedPolicy", "Target"]
+__all__ = ["DEFAULT_POLICY", "Override", "Policy", "ResolvedPolicy", "Target"]
 
 #: What an edit can name: an op name, a ``torch.ops`` op, a binding or a dispatchable callable.
-Target = Union[str, Callable[..., Any]]
+Target = Union[str, Callable[..., Any]]  # noqa: UP007 - a runtime alias, valid on Python 3.10
 
 #: The attribute `half_function` & co. put on the callables they make dispatchable.
 CATEGORY_ATTR = "__mixprec_category__"
+
+_SERIALS = itertools.count(1)
+_LIVE: weakref.WeakValueDictionary[int, Policy] = weakref.WeakValueDictionary()
 
 
 @dataclass(frozen=True)
@@ -124,11 +129,39 @@ class Policy:
 
     def __post_init__(self) -> None:
         # Normalise our own fields during construction (never a shared object).
+        self._register()
         if self.compute is not None:
             object.__setattr__(self, "compute", parse_dtype(self.compute, low_only=True))
         if self.table is not None and self.table not in TABLES:
             raise PolicyError(unknown_value("op table", self.table, TABLES))
         object.__setattr__(self, "overrides", tuple(self.overrides))
+
+    # ----- identity for compiled dispatch tables -----
+
+    def _register(self) -> int:
+        serial = next(_SERIALS)
+        object.__setattr__(self, "_serial", serial)
+        _LIVE[serial] = self
+        return serial
+
+    @property
+    def serial(self) -> int:
+        """A process-unique number for this object, usable as a constant under torch.compile."""
+        serial = self.__dict__.get("_serial")
+        return serial if serial is not None else self._register()
+
+    @staticmethod
+    def by_serial(serial: int) -> Policy:
+        """The live policy with this `serial` (see :attr:`serial`)."""
+        return _LIVE[serial]
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Serials are per process: never carry one into a pickle.
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for key, value in state.items():
+            object.__setattr__(self, key, value)
 
     # ----- editing (every method returns a new Policy) -----
 
@@ -155,7 +188,9 @@ class Policy:
                 function autocast cannot see.
         """
         if not targets:
-            raise PolicyError("Policy.move needs at least one op to move, e.g. move('softmax', to='fp32').")
+            raise PolicyError(
+                "Policy.move needs at least one op to move, e.g. move('softmax', to='fp32')."
+            )
         category = OpCategory.parse(to)
         dev = None if device_type is None else parse_device_type(device_type)
         dt = None if dtype is None else parse_dtype(dtype, low_only=True)
@@ -399,3 +434,7 @@ def _is_torch_dispatchable(fn: Callable[..., Any]) -> bool:
     # Python-level torch functions dispatch to modes via handle_torch_function.
     code = getattr(fn, "__code__", None)
     return code is not None and "handle_torch_function" in code.co_names
+
+
+#: The policy of regions that name none: torch.autocast's lists, unedited.
+DEFAULT_POLICY = Policy()

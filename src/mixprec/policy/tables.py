@@ -206,6 +206,4 @@ _MPS = _table(
 )  # fmt: skip
 
 #: Base tables by name. ``Policy(table=None)`` uses the table named after the region's device.
-TABLES: Mapping[str, OpTable] = MappingProxyType(
-    {t.name: t for t in (_CUDA, _CPU, _XPU, _MPS)}
-)
+TABLES: Mapping[str, OpTable] = MappingProxyType({t.name: t for t in (_CUDA, _CPU, _XPU, _MPS)})

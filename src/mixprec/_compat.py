@@ -1,0 +1,24 @@
+"""torch-version and import-cost shims, in one place.
+
+Supported: torch 2.11 through 2.13 and newer, Python 3.10+.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+__all__ = ["mark_constant_result"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# The attribute torch.compiler.assume_constant_result sets (torch 2.4 - 2.13). Setting it here
+# avoids importing torch._dynamo (about 1.4 s) when mixprec is imported; a test checks that
+# torch's own decorator still sets exactly this attribute.
+_DYNAMO_CONSTANT_ATTR = "_dynamo_marked_constant"
+
+
+def mark_constant_result(fn: F) -> F:
+    """``torch.compiler.assume_constant_result`` without importing the compiler stack."""
+    setattr(fn, _DYNAMO_CONSTANT_ATTR, True)
+    return fn

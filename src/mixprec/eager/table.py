@@ -1,0 +1,185 @@
+"""The dispatch table: a resolved policy compiled to ``{function object: rule}``, and its handles.
+
+The hot path of the mode is one dict lookup. Bindings are entered up front by op name, and so are
+torch's Python-level wrappers and the functions decorated with ``half_function`` & co, so that
+a ``torch.compile`` trace finds every entry without running mixprec's classification code.
+Anything else (``torch.ops`` overloads, new user functions) is classified on first sight and
+memoised.
+
+Tables are addressed by integer *handles*. ``table_handle`` runs at trace time under
+``torch.compile`` (``assume_constant_result``) and returns a constant, so a region entered inside
+a compiled function costs the graph nothing: no table is built or looked up in traced code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from mixprec._compat import mark_constant_result
+from mixprec.eager import composites
+from mixprec.eager.rules import (
+    ArgumentSwitch,
+    DecomposeRule,
+    DeviceSwitch,
+    ReentryRule,
+    Rule,
+    make_rule,
+)
+from mixprec.policy.categories import OpCategory
+from mixprec.policy.entrypoints import entry_points, op_name
+from mixprec.policy.policy import CATEGORY_ATTR, Policy, ResolvedPolicy
+
+__all__ = ["MISS", "DispatchTable", "Region", "declared_functions", "table_handle", "tables"]
+
+#: One enabled device type of a region: (device type, low dtype, policy).
+Region = tuple[str, torch.dtype, Policy]
+
+MISS = object()
+
+# Functions decorated with half_function & co. Weak: a decorated function that is dropped goes.
+_DECLARED: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
+
+
+def declared_functions() -> weakref.WeakSet[Callable[..., Any]]:
+    """The live functions made dispatchable by ``half_function`` & co (entered in every table)."""
+    return _DECLARED
+
+
+class DispatchTable:
+    """A resolved policy per enabled device type, compiled to ``{function: rule}``.
+
+    ``table.memo.get(func, MISS)`` answers a rule, None (pass through) or MISS (`classify`).
+    """
+
+    def __init__(self, resolved: tuple[ResolvedPolicy, ...]) -> None:
+        self.resolved = resolved
+        self.memo: dict[Any, Any] = {}
+        self._rules: dict[tuple[Any, ...], Rule] = {}
+        ruled: set[str] = set()
+        per_func: dict[Any, dict[str, Any]] = {}
+        for rp in resolved:
+            for name, cat in rp.ops.items():
+                if cat is OpCategory.PASSTHROUGH:
+                    continue
+                ruled.add(name)
+                rule = self._rule(rp, cat, keep=rp.keep.get(name, ()), restore=name in rp.restore)
+                for fn in entry_points(name):
+                    per_func.setdefault(fn, {})[rp.device_type] = rule
+            for name, via in rp.dynamic.items():
+                ruled.add(name)
+                if via.decompose is not None:
+                    special: Any = DecomposeRule(via.decompose)
+                else:
+                    inner = {
+                        n: self._rule(rp, c)
+                        for n, c in rp.ops.items()
+                        if c is not OpCategory.PASSTHROUGH
+                    }
+                    special = ArgumentSwitch(via.resolve, inner)  # type: ignore[arg-type]
+                for fn in entry_points(name):
+                    per_func.setdefault(fn, {})[rp.device_type] = special
+        for fn, by_dev in per_func.items():
+            self.memo[fn] = self._combine(by_dev)
+        self._reentry_names = None
+        if resolved:
+            self._reentry_names = composites.transparent_names(frozenset(ruled))
+            # Enter what a compile trace may meet, so tracing never has to classify.
+            # (Direct _classify: this may run at trace time, where `classify` declines.)
+            for fn in (*composites.torch_python_functions(), *list(_DECLARED)):
+                if fn not in self.memo:
+                    self.memo[fn] = self._classify(fn)
+
+    def _rule(
+        self,
+        rp: ResolvedPolicy,
+        cat: OpCategory,
+        keep: tuple[int | str, ...] = (),
+        restore: bool = False,
+    ) -> Rule:
+        key = (rp.device_type, cat, keep, restore)
+        rule = self._rules.get(key)
+        if rule is None:
+            rule = make_rule(cat, rp.device_type, rp.dtype, keep, restore)
+            self._rules[key] = rule
+        return rule
+
+    @staticmethod
+    def _combine(by_dev: dict[str, Any]) -> Any:
+        if len(by_dev) == 1:
+            return next(iter(by_dev.values()))
+        return DeviceSwitch(by_dev)
+
+    def classify(self, func: Any) -> Any:
+        """Find (and memoise) the rule for a function not entered up front; None = pass."""
+        if torch.compiler.is_compiling():
+            return None  # never run classification in a trace (tables pre-enter what it meets)
+        rule = self._classify(func)
+        with contextlib.suppress(TypeError):  # an unhashable callable: classified every call
+            self.memo[func] = rule
+        return rule
+
+    def _classify(self, func: Any) -> Any:
+        by_dev: dict[str, Rule] = {}
+        name = op_name(func)
+        declared = getattr(func, CATEGORY_ATTR, None)
+        for rp in self.resolved:
+            cat = None
+            with contextlib.suppress(TypeError):
+                cat = rp.functions.get(func)
+            if cat is None and name is not None:
+                cat = rp.ops.get(name)
+            if cat is None and declared is not None:
+                cat = declared
+            if cat is not None and cat is not OpCategory.PASSTHROUGH:
+                # For a callable (not an op binding) the rule casts its inputs; its body then
+                # runs with the mode popped, i.e. with autocast off, as documented.
+                by_dev[rp.device_type] = self._rule(rp, cat)
+        if by_dev:
+            return self._combine(by_dev)
+        if (
+            self._reentry_names is not None
+            and composites.is_python_function(func)
+            and composites.needs_reentry(func, self._reentry_names)
+        ):
+            return ReentryRule(func)
+        return None
+
+
+EMPTY = DispatchTable(())
+
+# Handle -> table. Handle 0 is the empty table (a region with nothing enabled).
+_TABLES: list[DispatchTable] = [EMPTY]
+_HANDLES: dict[tuple[Region, ...], int] = {}
+
+
+def tables() -> list[DispatchTable]:
+    """All tables built in this process, indexed by handle."""
+    return _TABLES
+
+
+@functools.lru_cache(maxsize=128)
+def _handle_by_value(regions: tuple[Region, ...]) -> int:
+    # Equal policies share one table, however many Policy objects say the same thing.
+    handle = _HANDLES.get(regions)
+    if handle is None:
+        table = DispatchTable(tuple(p.resolve(dev, dtype) for dev, dtype, p in regions))
+        _TABLES.append(table)
+        handle = _HANDLES[regions] = len(_TABLES) - 1
+    return handle
+
+
+# torch.compile calls this at trace time and bakes the returned int into the graph, so table
+# construction never enters traced code. Its arguments must therefore be constants: device
+# types, dtypes and each policy's serial number (not the Policy object).
+@mark_constant_result
+def table_handle(key: tuple[tuple[str, torch.dtype, int], ...]) -> int:
+    """The handle of the table for ``((device type, dtype, policy serial), ...)``."""
+    if not key:
+        return 0
+    return _handle_by_value(tuple((dev, dt, Policy.by_serial(s)) for dev, dt, s in key))

@@ -1,0 +1,57 @@
+"""Shared fixtures. CPU tests always run; CUDA tests carry @pytest.mark.gpu, skip without a GPU."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from unittest import mock
+
+import pytest
+import torch
+
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+
+HAS_CUDA = torch.cuda.is_available()
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+@contextlib.contextmanager
+def fake_cuda() -> Iterator[object]:
+    """CUDA tensors without a GPU: FakeTensorMode tensors on device 'cuda'.
+
+    torch's AutocastCUDA kernels run on them (dtype propagation only), so torch.autocast's CUDA
+    lists can be checked on a CPU-only machine. ``torch.cuda.is_available`` is patched to True
+    so that both autocast implementations enable themselves.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with (
+        mock.patch.object(torch.cuda, "is_available", lambda: True),
+        mock.patch.object(torch.cuda, "is_bf16_supported", lambda *a, **k: True),
+        mode,
+    ):
+        yield mode
+
+
+@contextlib.contextmanager
+def torch_cuda_autocast(dtype: torch.dtype) -> Iterator[None]:
+    """torch.autocast's CUDA kernels, switched on directly (the class refuses without CUDA)."""
+    prev_enabled = torch.is_autocast_enabled("cuda")
+    prev_dtype = torch.get_autocast_dtype("cuda")
+    torch.set_autocast_enabled("cuda", True)
+    torch.set_autocast_dtype("cuda", dtype)
+    torch.autocast_increment_nesting()
+    try:
+        yield
+    finally:
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()
+        torch.set_autocast_enabled("cuda", prev_enabled)
+        torch.set_autocast_dtype("cuda", prev_dtype)

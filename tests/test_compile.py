@@ -1,0 +1,96 @@
+"""mixprec.autocast under torch.compile: one frame, no graph break caused by mixprec, and the
+same numbers as eager, along the eager -> aot_eager -> inductor backend ladder."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mixprec
+
+pytestmark = pytest.mark.compile
+
+dynamo = pytest.importorskip("torch._dynamo")
+from torch._dynamo.testing import CompileCounter  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _reset_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.GELU(), torch.nn.Linear(32, 4)
+    )
+
+
+CUDA_RULES = mixprec.Policy(table="cuda")  # exercises fp32 and fp32_output rules on CPU
+
+
+def test_region_inside_compiled_function_is_one_frame():
+    model, x = _model(), torch.randn(8, 16)
+
+    def step(x):
+        with mixprec.autocast("cpu", policy=CUDA_RULES):
+            y = model(x)
+            return F.softmax(y, -1), y
+
+    counter = CompileCounter()
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    probs, y = compiled(x)
+    ref_probs, ref_y = step(x)
+    assert counter.frame_count == 1
+    assert (probs.dtype, y.dtype) == (torch.float32, torch.bfloat16)
+    assert torch.equal(probs, ref_probs) and torch.equal(y, ref_y)
+
+
+def test_compiled_function_inside_region_is_one_frame():
+    model, x = _model(), torch.randn(8, 16)
+    counter = CompileCounter()
+    compiled = torch.compile(lambda x: F.log_softmax(model(x), -1), backend=counter,
+                             fullgraph=True)  # fmt: skip
+    with mixprec.autocast("cpu", policy=CUDA_RULES):
+        out = compiled(x)
+        ref = F.log_softmax(model(x), -1)
+    assert counter.frame_count == 1
+    assert out.dtype == torch.float32 and torch.equal(out, ref)
+
+
+def test_default_region_in_compiled_training_step_no_graph_break():
+    model, x, y = _model(), torch.randn(8, 16), torch.randint(0, 4, (8,))
+
+    def loss_fn(x, y):
+        with mixprec.autocast("cpu"):
+            return F.cross_entropy(model(x), y)
+
+    explanation = torch._dynamo.explain(loss_fn)(x, y)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_backend_ladder_forward_and_backward(backend):
+    if backend == "inductor":
+        pytest.importorskip("torch._inductor")
+    model, x = _model(), torch.randn(8, 16)
+
+    def loss_fn(x):
+        with mixprec.autocast("cpu", policy=CUDA_RULES):
+            return model(x).float().pow(2).mean()
+
+    loss = loss_fn(x)
+    loss.backward()
+    ref_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    compiled = torch.compile(loss_fn, backend=backend, fullgraph=True)
+    c_loss = compiled(x)
+    c_loss.backward()
+    tol = 0 if backend != "inductor" else 2e-2  # inductor fuses and may reorder bf16 math
+    assert torch.allclose(c_loss, loss, rtol=tol, atol=tol)
+    for p, g in zip(model.parameters(), ref_grads, strict=True):
+        assert torch.allclose(p.grad, g, rtol=tol, atol=tol)

@@ -1,0 +1,28 @@
+"""The public surface: a snapshot of __all__ (any change shows up as a diff), and import cost."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import mixprec
+
+EXPECTED = [
+    "AutocastError", "BannedOpError", "Decision", "MixprecError", "OpCategory", "Policy",
+    "PolicyError", "__version__", "autocast", "custom_bwd", "custom_fwd", "default_dtype",
+    "float_function", "get_autocast_dtype", "get_autocast_policy", "half_function",
+    "is_autocast_enabled", "promote_function",
+]  # fmt: skip
+
+
+def test_all_snapshot():
+    assert sorted(mixprec.__all__) == sorted(EXPECTED)
+    for name in mixprec.__all__:
+        assert hasattr(mixprec, name), name
+
+
+def test_import_does_not_pull_in_the_compiler():
+    # torch._dynamo costs over a second to import; mixprec must not import it eagerly.
+    code = "import sys, mixprec; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
