@@ -20,6 +20,7 @@ import torch
 
 import mixprec
 from tests.conftest import HAS_CUDA, fake_cuda, requires_cuda, torch_cuda_autocast
+from tests.helpers import dtypes_of as _dtypes
 
 lists = pytest.importorskip("torch.testing._internal.autocast_test_lists")
 
@@ -63,14 +64,6 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def _dtypes(out: Any) -> tuple:
-    if isinstance(out, torch.Tensor):
-        return (out.dtype,)
-    if isinstance(out, (list, tuple)):
-        return tuple(d for o in out for d in _dtypes(o))
-    return ()
-
-
 def _variants(op: str, args: tuple, kwargs: dict, module: Any) -> list[Callable[[], Any]]:
     calls = []
     if module is not None and hasattr(module, op):
@@ -81,16 +74,16 @@ def _variants(op: str, args: tuple, kwargs: dict, module: Any) -> list[Callable[
     return calls
 
 
-def _check_cpu(op, args, expected, amp, module=torch, kwargs=None):
+def _check(op, args, expected, amp, module=torch, kwargs=None, device="cpu"):
     """torch.autocast and mixprec.autocast agree bitwise, and produce the expected dtype."""
     kwargs = kwargs or {}
     for call in _variants(op, args, kwargs, module):
-        with torch.autocast("cpu", dtype=amp):
+        with torch.autocast(device, dtype=amp):
             ref = call()
-        with mixprec.autocast("cpu", dtype=amp):
+        with mixprec.autocast(device, dtype=amp):
             got = call()
         assert _same(ref, got), f"{op} ({amp}): mixprec {_dtypes(got)} vs torch {_dtypes(ref)}"
-        if isinstance(got, torch.Tensor):
+        if isinstance(got, torch.Tensor) and expected is not None:
             assert got.dtype == expected, f"{op} ({amp}): {got.dtype}, expected {expected}"
 
 
@@ -106,33 +99,33 @@ def _kw(entry):
 @pytest.mark.parametrize("entry", CPU.torch_16, ids=lambda e: e[0])
 @pytest.mark.parametrize("amp", [BF16, FP16], ids=["bf16", "fp16"])
 def test_cpu_torch_16(entry, amp):
-    _check_cpu(entry[0], entry[1], amp, amp, kwargs=_kw(entry))
+    _check(entry[0], entry[1], amp, amp, kwargs=_kw(entry))
 
 
 @pytest.mark.parametrize("entry", CPU.nn_16, ids=lambda e: e[0])
 @pytest.mark.parametrize("amp", [BF16, FP16], ids=["bf16", "fp16"])
 def test_cpu_nn_16(entry, amp):
-    _check_cpu(entry[0], entry[1], amp, amp, module=torch._C._nn, kwargs=_kw(entry))
+    _check(entry[0], entry[1], amp, amp, module=torch._C._nn, kwargs=_kw(entry))
 
 
 @pytest.mark.parametrize("entry", CPU.torch_fp32, ids=lambda e: e[0])
 @pytest.mark.parametrize("amp", [BF16, FP16], ids=["bf16", "fp16"])
 def test_cpu_torch_fp32(entry, amp):
-    _check_cpu(entry[0], _cast(entry[1], amp), FP32, amp, kwargs=_kw(entry))
+    _check(entry[0], _cast(entry[1], amp), FP32, amp, kwargs=_kw(entry))
 
 
 @pytest.mark.parametrize("entry", CPU.nn_fp32, ids=lambda e: e[0])
 @pytest.mark.parametrize("amp", [BF16, FP16], ids=["bf16", "fp16"])
 def test_cpu_nn_fp32(entry, amp):
-    _check_cpu(entry[0], _cast(entry[1], amp), FP32, amp, module=torch._C._nn,
+    _check(entry[0], _cast(entry[1], amp), FP32, amp, module=torch._C._nn,
                kwargs=_kw(entry))  # fmt: skip
 
 
 @pytest.mark.parametrize("entry", CPU.torch_need_autocast_promote, ids=lambda e: e[0])
 def test_cpu_need_autocast_promote(entry):
     op, args_bf16, args_fp16 = entry
-    _check_cpu(op, args_bf16, FP32, BF16)
-    _check_cpu(op, args_fp16, FP32, FP16)
+    _check(op, args_bf16, FP32, BF16)
+    _check(op, args_fp16, FP32, FP16)
 
 
 @pytest.mark.parametrize(
@@ -143,8 +136,8 @@ def test_cpu_need_autocast_promote(entry):
 def test_cpu_builtin_promote(entry):
     op, args_bf16, args_fp16, out_type = entry
     module = torch if not op.startswith("__") else None
-    _check_cpu(op, args_bf16, out_type, BF16, module=module)
-    _check_cpu(op, args_fp16, out_type, FP16, module=module)
+    _check(op, args_bf16, out_type, BF16, module=module)
+    _check(op, args_fp16, out_type, FP16, module=module)
 
 
 # -------------------------------------------------------- CUDA lists: expected category per list
@@ -269,10 +262,5 @@ def test_cuda_banned_binary_cross_entropy_fake():
 def test_cuda_lists_on_gpu(op, args, kwargs, module, want, amp):
     if amp == BF16 and not torch.cuda.is_bf16_supported():
         pytest.skip("no bf16 on this GPU")
-    args = _half_to(args, amp)
-    for call in _variants(op, args, kwargs, module):
-        with torch.autocast("cuda", dtype=amp):
-            ref = call()
-        with mixprec.autocast("cuda", dtype=amp):
-            got = call()
-        assert _same(ref, got), f"{op}: {_dtypes(got)} vs torch {_dtypes(ref)}"
+    expected = amp if want == "amp" else want
+    _check(op, _half_to(args, amp), expected, amp, module, kwargs, device="cuda")

@@ -26,6 +26,7 @@ import torch
 import mixprec
 from mixprec.policy.decompositions import KNOWN_DEVIATIONS
 from tests.conftest import fake_cuda, torch_cuda_autocast
+from tests.helpers import dtypes_of as _dtypes
 
 common_methods = pytest.importorskip("torch.testing._internal.common_methods_invocations")
 common_modules = pytest.importorskip("torch.testing._internal.common_modules")
@@ -57,14 +58,6 @@ def _walk(x: Any, fn) -> Any:
     if isinstance(x, dict):
         return {k: _walk(v, fn) for k, v in x.items()}
     return x
-
-
-def _dtypes(out: Any) -> tuple:
-    if isinstance(out, torch.Tensor):
-        return (out.dtype,)
-    if isinstance(out, (list, tuple)):
-        return tuple(d for o in out for d in _dtypes(o))
-    return ()
 
 
 def _equal(a: Any, b: Any) -> bool:

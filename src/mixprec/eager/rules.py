@@ -75,37 +75,42 @@ def _convert(value: Tensor, dtype: torch.dtype) -> Tensor:
     return conv(value) if conv is not None else value.to(dtype)
 
 
-def _cast_one(mode: Any, value: Tensor, target: torch.dtype) -> Tensor:
-    """Cast one eligible tensor; low-precision casts of fp32 weights go through the cache.
+def _weight_cache(mode: Any) -> dict | None:
+    """The region's weight-cast cache, or None when caching is off or torch.compile traces."""
+    return mode.cache if mode.cache_enabled and not _is_compiling() else None
+
+
+def _cast_one(cache: dict | None, value: Tensor, target: torch.dtype) -> Tensor:
+    """Cast one eligible tensor; low-precision casts of fp32 weights go through `cache`.
 
     Like torch.autocast, only fp32 leaves that require grad (model weights) are cached, once per
     outermost region. Unlike torch, an entry is keyed by the weight *and its version counter*, so
-    a weight updated in place inside a region is cast again; nothing is cached while grad mode is
-    off (such a cast has no autograd history) or while torch.compile traces.
+    a weight updated in place inside a region is cast again, and nothing is cached while grad
+    mode is off (such a cast has no autograd history).
     """
+    conv = _CONVERT.get(target)
+    if conv is None:
+        return value.to(target)
     if (
-        value.requires_grad
+        cache is not None
         and target is not _FP32
         and value.dtype is _FP32
-        and mode.cache_enabled
+        and value.requires_grad
         and value.is_leaf
-        and not _is_compiling()
     ):
-        cache = mode.cache
         key = id(value)
         hit = cache.get(key)
         if hit is not None and hit[0] is value and hit[1] is target and hit[2] == value._version:
             return hit[3]
-        out = _CONVERT[target](value)
+        out = conv(value)
         if _grad_enabled() and not value._is_view():
             cache[key] = (value, target, value._version, out)
         return out
-    conv = _CONVERT.get(target)
-    return conv(value) if conv is not None else value.to(target)
+    return conv(value)
 
 
 def _cast_args(
-    mode: Any,
+    cache: dict | None,
     args: tuple,
     target: torch.dtype,
     src: frozenset[torch.dtype],
@@ -121,27 +126,27 @@ def _cast_args(
             if a.dtype in src and on_device(a) and not (keep and i in keep):
                 if out is None:
                     out = list(args)
-                out[i] = _cast_one(mode, a, target)
+                out[i] = _cast_one(cache, a, target)
         elif type(a) in (list, tuple) and a and isinstance(a[0], Tensor):
             if keep and i in keep:
                 continue
             if out is None:
                 out = list(args)
             out[i] = type(a)(
-                _cast_one(mode, t, target)
+                _cast_one(cache, t, target)
                 if isinstance(t, Tensor) and t.dtype in src and on_device(t) else t
                 for t in a
             )  # fmt: skip
     return args if out is None else tuple(out)
 
 
-def _cast_kwargs(mode, kwargs, target, src, on_device, keep) -> dict:
+def _cast_kwargs(cache, kwargs, target, src, on_device, keep) -> dict:
     out = None
     for k, v in kwargs.items():
         if isinstance(v, Tensor) and v.dtype in src and on_device(v) and k not in keep:
             if out is None:
                 out = dict(kwargs)
-            out[k] = _cast_one(mode, v, target)
+            out[k] = _cast_one(cache, v, target)
     return kwargs if out is None else out
 
 
@@ -184,13 +189,14 @@ class Rule:
         return isinstance(t, Tensor) and t.dtype in _FLOATS and self.on_device(t)
 
     def _cast_to(self, mode, func, args, kwargs, target, src):
+        cache = _weight_cache(mode)
         if kwargs:
             if "out" in kwargs:  # out= calls are never autocast (as in torch)
                 return func(*args, **kwargs)
-            args = _cast_args(mode, args, target, src, self.on_device, self.keep)
-            return func(*args, **_cast_kwargs(mode, kwargs, target, src, self.on_device,
-                                              self.keep))  # fmt: skip
-        return func(*_cast_args(mode, args, target, src, self.on_device, self.keep))
+            args = _cast_args(cache, args, target, src, self.on_device, self.keep)
+            kwargs = _cast_kwargs(cache, kwargs, target, src, self.on_device, self.keep)
+            return func(*args, **kwargs)
+        return func(*_cast_args(cache, args, target, src, self.on_device, self.keep))
 
 
 class LowerRule(Rule):
@@ -203,8 +209,10 @@ class LowerRule(Rule):
         if kwargs or self.restore or self.keep:
             return self._general(mode, func, args, kwargs)
         # The hot path (F.linear(x, w, b), x @ w, ...): positional tensors only.
+        low = self.low
         src = self.src_low
         on_device = self.on_device
+        cache = _weight_cache(mode)
         out = None
         i = -1
         for a in args:
@@ -213,7 +221,7 @@ class LowerRule(Rule):
                 if a.dtype in src and on_device(a):
                     if out is None:
                         out = list(args)
-                    out[i] = _cast_one(mode, a, self.low)
+                    out[i] = _cast_one(cache, a, low)
             elif type(a) in (list, tuple):
                 return self._general(mode, func, args, kwargs)
         return func(*args) if out is None else func(*out)
