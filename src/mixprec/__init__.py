@@ -19,15 +19,19 @@ from mixprec.eager import (
 )
 from mixprec.errors import AutocastError, BannedOpError, MixprecError, PolicyError
 from mixprec.policy import Decision, OpCategory, Policy
+from mixprec.scaling import GradScaler, ScaleConfig, ScalerStateError, update_scale
 
 __all__ = [
     "AutocastError",
     "BannedOpError",
     "Decision",
+    "GradScaler",
     "MixprecError",
     "OpCategory",
     "Policy",
     "PolicyError",
+    "ScaleConfig",
+    "ScalerStateError",
     "__version__",
     "autocast",
     "custom_bwd",
@@ -39,4 +43,5 @@ __all__ = [
     "half_function",
     "is_autocast_enabled",
     "promote_function",
+    "update_scale",
 ]

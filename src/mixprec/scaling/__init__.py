@@ -1,0 +1,20 @@
+"""Loss scaling: the pure scale update, the sync-free GradScaler and its checkpoint format."""
+
+from mixprec.scaling.checkpoint import ScalerCheckpointError
+from mixprec.scaling.scaler import GradScaler, ScalerStateError, SkipEvent
+from mixprec.scaling.skip import SkipMode
+from mixprec.scaling.state import ScaleConfig, ScaleState, init_state, update_scale
+from mixprec.scaling.unscale import Fp16GradientError
+
+__all__ = [
+    "Fp16GradientError",
+    "GradScaler",
+    "ScaleConfig",
+    "ScaleState",
+    "ScalerCheckpointError",
+    "ScalerStateError",
+    "SkipEvent",
+    "SkipMode",
+    "init_state",
+    "update_scale",
+]

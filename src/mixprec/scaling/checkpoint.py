@@ -1,0 +1,236 @@
+"""GradScaler checkpoints: every field out, everything validated before anything goes in.
+
+The format is a flat dict of Python values. Its first five keys are torch.amp.GradScaler's
+(``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``_growth_tracker``), so
+either scaler loads the other's checkpoint; mixprec adds the hysteresis tracker, the bounds, the
+counters, the scale history and, for several losses, a ``losses`` list. Writing reads device
+tensors (a sync); loading writes them (no sync).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from mixprec.errors import MixprecError
+from mixprec.scaling.state import HISTORY, ScaleConfig
+
+if TYPE_CHECKING:
+    from mixprec.scaling.scaler import GradScaler
+
+__all__ = ["FORMAT", "ScalerCheckpointError", "describe", "load_state_dict", "state_dict"]
+
+FORMAT = "mixprec.GradScaler/1"
+
+_CONFIG_KEYS = {
+    "growth_factor": "growth_factor",
+    "backoff_factor": "backoff_factor",
+    "growth_interval": "growth_interval",
+    "hysteresis": "hysteresis",
+    "consecutive_hysteresis": "consecutive_hysteresis",
+    "min_scale": "min_scale",
+    "max_scale": "max_scale",
+    "dynamic": "dynamic",
+}
+_TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+
+
+class ScalerCheckpointError(MixprecError, ValueError):
+    """A state dict the scaler refuses to load (the scaler is left unchanged)."""
+
+
+def loss_fields(scaler: GradScaler) -> list[dict[str, Any]]:
+    """Per loss: the Python values of its state (reads the device: a sync)."""
+    if scaler._losses is None:
+        if scaler._pending_load is not None:
+            return [
+                {**f, "history": [None if math.isnan(v) else v for v in f["history"]]}
+                if "history" in f else dict(f)
+                for f in scaler._pending_load
+            ]  # fmt: skip
+        return [{"scale": scaler._init_scale} for _ in range(scaler._num_losses)]
+    out = []
+    for loss in scaler._losses:
+        st = loss.state
+        out.append({
+            "scale": float(st.scale.item()),
+            "growth_tracker": int(st.growth_tracker.item()),
+            "hysteresis_tracker": int(st.hysteresis_tracker.item()),
+            "steps": int(st.steps.item()),
+            "skipped": int(st.skipped.item()),
+            "last_skip": int(st.last_skip.item()),
+            # Unwritten slots are None (JSON has no NaN).
+            "history": [None if math.isnan(v) else float(v) for v in st.history.tolist()],
+        })  # fmt: skip
+    return out
+
+
+def pending_scale(pending: list[dict[str, Any]] | None, init_scale: float) -> float:
+    """The scale of loss 0 before the scaler's state exists on a device."""
+    if pending and "scale" in pending[0]:
+        return float(pending[0]["scale"])
+    return init_scale
+
+
+def state_dict(scaler: GradScaler) -> dict[str, Any]:
+    """See :meth:`GradScaler.state_dict`."""
+    if not scaler._enabled:
+        return {}
+    cfg = scaler._config
+    losses = loss_fields(scaler)
+    first = losses[0]
+    out: dict[str, Any] = {
+        "scale": float(first["scale"]),
+        "growth_factor": cfg.growth_factor,
+        "backoff_factor": cfg.backoff_factor,
+        "growth_interval": cfg.growth_interval,
+        "_growth_tracker": int(first.get("growth_tracker", 0)),
+        "format": FORMAT,
+        "hysteresis": cfg.hysteresis,
+        "consecutive_hysteresis": cfg.consecutive_hysteresis,
+        "min_scale": cfg.min_scale,
+        "max_scale": cfg.max_scale,
+        "dynamic": cfg.dynamic,
+        "_hysteresis_tracker": int(first.get("hysteresis_tracker", cfg.hysteresis)),
+        "steps": int(first.get("steps", 0)),
+        "skipped": int(first.get("skipped", 0)),
+        "last_skip": int(first.get("last_skip", -1)),
+        "history": list(first.get("history", [])),
+    }
+    if scaler._num_losses > 1:
+        out["losses"] = losses
+    return out
+
+
+def _number(sd: dict[str, Any], key: str, kind: type, rule: str, ok) -> Any:
+    value = sd[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ScalerCheckpointError(
+            f"state_dict[{key!r}] = {value!r} ({type(value).__name__}) is not a number."
+        )
+    value = kind(value)
+    if not ok(value):
+        raise ScalerCheckpointError(f"state_dict[{key!r}] = {value!r} is invalid: {rule}.")
+    return value
+
+
+def _loss_entry(sd: dict[str, Any], cfg: ScaleConfig, where: str) -> dict[str, Any]:
+    missing = [k for k in ("scale",) if k not in sd]
+    if missing:
+        raise ScalerCheckpointError(f"{where} lacks the key 'scale'.")
+    fields: dict[str, Any] = {
+        "scale": _number(sd, "scale", float, "the scale must be finite and > 0",
+                         lambda v: 0 < v < math.inf),
+    }  # fmt: skip
+    for src, dst, default, rule, ok in (
+        ("_growth_tracker", "growth_tracker", 0, "must be in [0, growth_interval)",
+         lambda v: 0 <= v < cfg.growth_interval),
+        ("growth_tracker", "growth_tracker", 0, "must be in [0, growth_interval)",
+         lambda v: 0 <= v < cfg.growth_interval),
+        ("_hysteresis_tracker", "hysteresis_tracker", cfg.hysteresis, "must be <= hysteresis",
+         lambda v: v <= cfg.hysteresis),
+        ("hysteresis_tracker", "hysteresis_tracker", cfg.hysteresis, "must be <= hysteresis",
+         lambda v: v <= cfg.hysteresis),
+        ("steps", "steps", 0, "must be >= 0", lambda v: v >= 0),
+        ("skipped", "skipped", 0, "must be >= 0", lambda v: v >= 0),
+        ("last_skip", "last_skip", -1, "must be >= -1", lambda v: v >= -1),
+    ):  # fmt: skip
+        if src in sd:
+            fields[dst] = _number(sd, src, int, rule, ok)
+        else:
+            fields.setdefault(dst, default)
+    if fields["skipped"] > fields["steps"]:
+        raise ScalerCheckpointError(f"{where}: skipped > steps; the counters are inconsistent.")
+    history = sd.get("history")
+    if history is not None:
+        if not (isinstance(history, (list, tuple)) and len(history) == HISTORY):
+            size = len(history) if hasattr(history, "__len__") else "?"
+            raise ScalerCheckpointError(
+                f"{where}['history'] must be a list of {HISTORY} floats (None for unwritten "
+                f"slots), got {type(history).__name__} of length {size}."
+            )
+        try:
+            fields["history"] = [math.nan if v is None else float(v) for v in history]
+        except (TypeError, ValueError) as err:
+            raise ScalerCheckpointError(f"{where}['history'] holds a non-number: {err}") from err
+    return fields
+
+
+def load_state_dict(scaler: GradScaler, sd: dict[str, Any]) -> None:
+    """See :meth:`GradScaler.load_state_dict`. Validates everything, then commits."""
+    if not scaler._enabled:
+        return
+    if not isinstance(sd, dict):
+        raise ScalerCheckpointError(
+            f"GradScaler.load_state_dict expects a dict, got {type(sd).__name__}."
+        )
+    if not sd:
+        raise ScalerCheckpointError(
+            "the state dict is empty: it was probably saved from a disabled GradScaler. Load it "
+            "into a disabled scaler, or drop it."
+        )
+    missing = [k for k in _TORCH_KEYS if k not in sd]
+    if missing:
+        raise ScalerCheckpointError(
+            f"the state dict lacks {missing}; a GradScaler state dict (torch.amp's or mixprec's) "
+            f"has at least the keys {list(_TORCH_KEYS)}."
+        )
+    fmt = sd.get("format")
+    if fmt is not None and fmt != FORMAT:
+        raise ScalerCheckpointError(
+            f"state dict format {fmt!r} is not one this version reads ({FORMAT!r})."
+        )
+    try:
+        cfg = ScaleConfig(**{
+            dst: sd.get(src, getattr(scaler._config, dst)) for src, dst in _CONFIG_KEYS.items()
+        })  # fmt: skip
+    except MixprecError as err:
+        raise ScalerCheckpointError(f"the state dict's scaling config is invalid: {err}") from err
+    losses_sd = sd.get("losses")
+    if losses_sd is None:
+        entries = [_loss_entry(sd, cfg, "state_dict")]
+    else:
+        if not isinstance(losses_sd, list) or not all(isinstance(e, dict) for e in losses_sd):
+            raise ScalerCheckpointError("state_dict['losses'] must be a list of dicts.")
+        entries = [_loss_entry(e, cfg, f"state_dict['losses'][{i}]")
+                   for i, e in enumerate(losses_sd)]  # fmt: skip
+    if len(entries) != scaler._num_losses:
+        raise ScalerCheckpointError(
+            f"the state dict holds {len(entries)} loss scale(s) but this scaler has num_losses="
+            f"{scaler._num_losses}; create the scaler with num_losses={len(entries)}."
+        )
+    if scaler._per_optimizer:
+        raise ScalerCheckpointError(
+            "load_state_dict was called in the middle of an iteration; load between iterations."
+        )
+    # Everything checked: commit.
+    scaler._config = cfg
+    scaler._init_scale = entries[0]["scale"]
+    if scaler._losses is None:
+        scaler._pending_load = entries
+        return
+    for loss, fields in zip(scaler._losses, entries, strict=True):
+        st = loss.state
+        st.scale.fill_(fields["scale"])
+        st.growth_tracker.fill_(fields["growth_tracker"])
+        st.hysteresis_tracker.fill_(fields["hysteresis_tracker"])
+        st.steps.fill_(fields["steps"])
+        st.skipped.fill_(fields["skipped"])
+        st.last_skip.fill_(fields["last_skip"])
+        if "history" in fields:
+            st.history.copy_(st.history.new_tensor(fields["history"]))
+        else:
+            st.history.fill_(math.nan)
+        loss.replicas.clear()
+
+
+def describe(scaler: GradScaler) -> dict[str, Any]:
+    """See :meth:`GradScaler.stats`."""
+    losses = loss_fields(scaler)
+    for entry in losses:
+        entry.pop("history", None)
+    return {
+        "enabled": scaler._enabled,
+        "config": scaler._config,
+        "losses": losses,
+    }

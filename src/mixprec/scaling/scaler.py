@@ -1,0 +1,622 @@
+"""`GradScaler`: dynamic loss scaling that never waits for the device.
+
+A drop-in for ``torch.amp.GradScaler`` (same constructor, methods and default trajectory) built
+as a thin shell around the pure update in `mixprec.scaling.state`:
+
+- ``scale``, ``unscale_``, ``step`` and ``update`` never synchronise with the device. Unscaling
+  and the finite check run as one fused pass per (device, dtype) group; the skip decision
+  is applied on the device (`mixprec.scaling.skip`); the scale update is a handful of tensor ops.
+- Each optimizer goes through a stage machine, ready -> unscaled -> stepped, reset by
+  ``update()``; calls out of order raise an error naming the rule they break.
+- Under ``torch.distributed`` the overflow count is all-reduced (asynchronously, MAX) before any
+  rank decides, so all ranks skip together and their scales stay equal.
+- ``state_dict`` carries every field (scale, trackers, counters, config, per-loss scales) and
+  loads torch.amp's format; a bad state dict is refused before anything changes.
+
+Reading values back (``get_scale``, ``state_dict``, ``stats``) synchronises, and says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import math
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, overload
+
+import torch
+
+from mixprec.errors import MixprecError, PolicyError, format_options
+from mixprec.scaling import checkpoint
+from mixprec.scaling.skip import SkipMode, StepGuard, choose_mode
+from mixprec.scaling.state import HISTORY, ScaleConfig, ScaleState, init_state, update_scale
+from mixprec.scaling.unscale import IMPLS, check_finite_, group_grads, unscale_and_check_
+
+__all__ = ["GradScaler", "ScalerStateError", "SkipEvent"]
+
+
+class ScalerStateError(MixprecError, RuntimeError):
+    """A GradScaler method was called out of order (the message names the rule)."""
+
+
+class _Stage(enum.Enum):
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
+
+
+@dataclass
+class _PerOptimizer:
+    stage: _Stage = _Stage.READY
+    found_inf: torch.Tensor | None = None  # on the scale's device, summed over devices
+    pending: Any = None  # an async all-reduce handle to wait on before using found_inf
+
+
+@dataclass(frozen=True)
+class SkipEvent:
+    """One overflowing update, as reported to ``on_skip``: its index and the scale it used."""
+
+    step: int
+    scale: float
+    loss_id: int = 0
+
+
+@dataclass
+class _Loss:
+    """One loss scale: its state and the per-device copies of its scale for this iteration."""
+
+    state: ScaleState
+    replicas: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+    found_inf: torch.Tensor | None = None  # overflows of this loss's backward (num_losses > 1)
+
+    def scale_on(self, device: torch.device) -> torch.Tensor:
+        if device == self.state.scale.device:
+            return self.state.scale
+        rep = self.replicas.get(device)
+        if rep is None:
+            rep = self.replicas[device] = self.state.scale.to(device, non_blocking=True)
+        return rep
+
+
+class GradScaler:
+    """Dynamic loss scaling without host-device synchronisation. A drop-in for torch.amp's.
+
+    Args:
+        device: device type the scaled tensors live on (``'cuda'``, ``'cpu'``, ...).
+        init_scale: the starting scale.
+        growth_factor: scale *= growth_factor after `growth_interval` clean steps.
+        backoff_factor: scale *= backoff_factor on an overflow.
+        growth_interval: clean steps between growths.
+        enabled: False makes every method a no-op (``scale`` returns its input, ``step`` calls
+            ``optimizer.step()``).
+        hysteresis: overflows tolerated before backing off (Megatron-LM; 1 = torch).
+        consecutive_hysteresis: refill the hysteresis budget on every clean step (DeepSpeed).
+        min_scale: never back off below this. max_scale: never grow above this.
+        dynamic: False keeps the scale fixed at `init_scale` (overflowing steps still skip).
+        num_losses: independent scales for several losses (Apex's ``num_losses``); use
+            :meth:`scaled` around each loss's backward.
+        skip_mode: ``'auto'`` (fused optimizers skip in their kernel, others by
+            snapshot-and-restore on the device), ``'restore'``, ``'sync'`` (torch's way: one
+            host sync per step) or ``'fused'``. See `mixprec.scaling.skip`.
+        unscale_impl: ``'auto'``/``'torch'`` (torch's fused unscale-and-check kernel, one pass) or
+            ``'foreach'`` (mixprec's multi-tensor composition; see `mixprec.scaling.unscale`).
+        process_group: the group whose ranks must agree on skipping (default: the world, when
+            ``torch.distributed`` is initialized).
+        on_skip: called with a :class:`SkipEvent` for each overflowing update, in batches of
+            `check_every` updates; each batch costs one host sync. None: never sync for this.
+        check_every: updates between ``on_skip`` checks.
+
+    Example::
+
+        scaler = mixprec.GradScaler("cuda")
+        for x, y in data:
+            optimizer.zero_grad()
+            with mixprec.autocast("cuda"):
+                loss = loss_fn(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)                    # optional, e.g. to clip
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(optimizer)                       # skipped on the device on overflow
+            scaler.update()
+    """
+
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        *,
+        hysteresis: int = 1,
+        consecutive_hysteresis: bool = False,
+        min_scale: float | None = None,
+        max_scale: float | None = None,
+        dynamic: bool = True,
+        num_losses: int = 1,
+        skip_mode: str = "auto",
+        unscale_impl: str = "auto",
+        process_group: Any = None,
+        on_skip: Callable[[SkipEvent], None] | None = None,
+        check_every: int = 100,
+    ) -> None:
+        from mixprec.dtypes import parse_device_type
+
+        self._device = parse_device_type(device)
+        if not (isinstance(init_scale, (int, float)) and 0.0 < init_scale < math.inf):
+            raise PolicyError(f"GradScaler init_scale={init_scale!r} must be a finite number > 0.")
+        self._config = ScaleConfig(
+            float(growth_factor), float(backoff_factor), growth_interval, hysteresis,
+            consecutive_hysteresis, min_scale, max_scale, dynamic,
+        )  # fmt: skip
+        if not (isinstance(num_losses, int) and num_losses >= 1):
+            raise PolicyError(f"GradScaler num_losses={num_losses!r} must be an int >= 1.")
+        try:
+            self._skip_mode = SkipMode(skip_mode)
+        except ValueError:
+            raise PolicyError(
+                f"unknown skip_mode {skip_mode!r}. Valid skip modes: "
+                f"{format_options(m.value for m in SkipMode)}."
+            ) from None
+        if unscale_impl not in IMPLS:
+            raise PolicyError(
+                f"unknown unscale_impl {unscale_impl!r}. Valid: {format_options(IMPLS)}."
+            )
+        if not (isinstance(check_every, int) and check_every >= 1):
+            raise PolicyError(f"GradScaler check_every={check_every!r} must be an int >= 1.")
+        if enabled and self._device == "cuda" and not torch.cuda.is_available():
+            warnings.warn(
+                "mixprec.GradScaler('cuda') is enabled but CUDA is not available; the scaler is "
+                "disabled. Use GradScaler('cpu') to scale on the CPU.",
+                stacklevel=2,
+            )
+            enabled = False
+        self._enabled = bool(enabled)
+        self._init_scale = float(init_scale)
+        self._num_losses = num_losses
+        self._unscale_impl = unscale_impl
+        self._process_group = process_group
+        self._on_skip = on_skip
+        self._check_every = check_every
+        self._reported_steps = 0
+        self._losses: list[_Loss] | None = None  # created on first use, on the data's device
+        self._pending_load: list[dict[str, Any]] | None = None
+        self._per_optimizer: dict[int, _PerOptimizer] = {}
+        self._guards: dict[int, StepGuard] = {}
+        self._already_unscaled: set[int] = set()  # optimizers whose grads scaled() unscaled
+
+    # ------------------------------------------------------------------ state on the device
+
+    def _ensure(self, device: torch.device) -> list[_Loss]:
+        if self._losses is None:
+            if device.type != self._device:
+                raise ScalerStateError(
+                    f"GradScaler(device={self._device!r}) was given a tensor on {device}; create "
+                    f"the scaler with device={device.type!r}."
+                )
+            losses = []
+            for fields in self._pending_load or [{} for _ in range(self._num_losses)]:
+                fields = dict(fields)
+                history = fields.pop("history", None)
+                state = init_state(fields.pop("scale", self._init_scale), self._config, device,
+                                   **fields)  # fmt: skip
+                if history is not None:
+                    state.history.copy_(torch.tensor(history, dtype=torch.float32))
+                losses.append(_Loss(state))
+            self._losses = losses
+            self._pending_load = None
+        return self._losses
+
+    def _main_device(self) -> torch.device:
+        if self._losses is None:
+            raise ScalerStateError(
+                "the scaler has not scaled anything yet: call scaler.scale(loss) before "
+                "unscale_(), step() or update()."
+            )
+        return self._losses[0].state.scale.device
+
+    # ----------------------------------------------------------------------------- scaling
+
+    @overload
+    def scale(self, outputs: torch.Tensor, loss_id: int = 0) -> torch.Tensor: ...
+    @overload
+    def scale(self, outputs: list[torch.Tensor], loss_id: int = 0) -> list[torch.Tensor]: ...
+    @overload
+    def scale(self, outputs: tuple[torch.Tensor, ...], loss_id: int = 0) -> tuple: ...
+    def scale(self, outputs, loss_id=0):
+        """Multiply a loss (or a nested list/tuple of them) by the scale. No sync.
+
+        Args:
+            outputs: tensors to scale.
+            loss_id: which loss scale to use (``0 <= loss_id < num_losses``).
+        """
+        if not self._enabled:
+            return outputs
+        self._check_loss_id(loss_id)
+
+        def apply(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                loss = self._ensure(value.device)[loss_id]
+                return value * loss.scale_on(value.device)
+            if isinstance(value, (list, tuple)):
+                return type(value)(apply(v) for v in value)
+            raise TypeError(
+                f"GradScaler.scale expects a tensor or a list/tuple of tensors, got "
+                f"{type(value).__name__}."
+            )
+
+        return apply(outputs)
+
+    def _check_loss_id(self, loss_id: int) -> None:
+        if not (isinstance(loss_id, int) and 0 <= loss_id < self._num_losses):
+            raise PolicyError(
+                f"loss_id={loss_id!r} is out of range: this scaler has num_losses="
+                f"{self._num_losses}, so valid ids are 0..{self._num_losses - 1}."
+            )
+
+    @contextlib.contextmanager
+    def scaled(
+        self,
+        loss: torch.Tensor,
+        optimizers: torch.optim.Optimizer | list[torch.optim.Optimizer],
+        loss_id: int = 0,
+    ) -> Iterator[torch.Tensor]:
+        """Scale one of several losses by its own scale; unscale its gradients on exit.
+
+        Use with ``num_losses > 1`` (Apex's per-loss scaling)::
+
+            with scaler.scaled(loss_a, optimizer, loss_id=0) as s:
+                s.backward()
+            with scaler.scaled(loss_b, optimizer, loss_id=1) as s:
+                s.backward()
+            scaler.step(optimizer)
+            scaler.update()
+
+        Gradients accumulated before the block are set aside, the block's backward writes
+        ``scale_i * g_i``, which is unscaled and checked on exit (overflows are charged to loss
+        `loss_id` only) and added back. Cost: one extra gradient buffer while the block runs.
+        """
+        if not self._enabled:
+            yield loss
+            return
+        self._check_loss_id(loss_id)
+        opts = optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]
+        for opt in opts:
+            if self._state(opt).stage is not _Stage.READY:
+                raise ScalerStateError(
+                    "scaler.scaled(...) was used after unscale_() or step() in the same "
+                    "iteration; all backward passes of an iteration come before unscaling."
+                )
+        params = [p for opt in opts for g in opt.param_groups for p in g["params"]]
+        stash = {id(p): p.grad for p in params if p.grad is not None}
+        for p in params:
+            p.grad = None
+        try:
+            yield self.scale(loss, loss_id)
+        except BaseException:
+            for p in params:  # a failed backward: put the earlier gradients back untouched
+                p.grad = stash.get(id(p))
+            raise
+        losses = self._ensure(loss.device)
+        entry = losses[loss_id]
+        groups = group_grads(params)
+        for device, per_dtype in groups.items():
+            inv = self._inv_scale(entry, device)
+            found = torch.zeros((), dtype=torch.float32, device=device)
+            for grads in per_dtype.values():
+                unscale_and_check_(grads, inv, found, self._unscale_impl)
+            found = found.to(entry.state.scale.device, non_blocking=True)
+            entry.found_inf = found if entry.found_inf is None else entry.found_inf + found
+        for p in params:
+            old = stash.get(id(p))
+            if old is not None:
+                p.grad = old if p.grad is None else old.add_(p.grad)
+        for opt in opts:
+            self._state(opt).stage = _Stage.READY  # still ready: the next unscale is a no-op
+            self._already_unscaled.add(id(opt))
+
+    def _inv_scale(self, loss: _Loss, device: torch.device) -> torch.Tensor:
+        # fp32 division can round differently under some compile settings: take the reciprocal
+        # in fp64, as torch does, so both scalers unscale to the same bits.
+        return loss.scale_on(device).double().reciprocal().float()
+
+    # ----------------------------------------------------------------- unscale / step / update
+
+    def _state(self, optimizer: torch.optim.Optimizer) -> _PerOptimizer:
+        return self._per_optimizer.setdefault(id(optimizer), _PerOptimizer())
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the optimizer's gradients by the scale, counting non-finite ones. No sync.
+
+        Optional: call it to inspect or clip gradients between ``backward`` and ``step``; ``step``
+        unscales otherwise. Once per optimizer per iteration, after the last backward.
+        """
+        if not self._enabled:
+            return
+        state = self._state(optimizer)
+        if state.stage is _Stage.UNSCALED:
+            raise ScalerStateError(
+                "unscale_(optimizer) was already called for this optimizer since the last "
+                "update(). Call it once per iteration, after the last backward of the iteration "
+                "(after all micro-batches when accumulating gradients)."
+            )
+        if state.stage is _Stage.STEPPED:
+            raise ScalerStateError(
+                "unscale_(optimizer) was called after step(optimizer) in the same iteration: "
+                "step() already unscaled and applied the gradients. Call unscale_ before step, "
+                "or call update() to start the next iteration."
+            )
+        main = self._main_device()
+        found = torch.zeros((), dtype=torch.float32, device=main)
+        if id(optimizer) in self._already_unscaled:  # every loss block unscaled its share
+            for loss in self._losses or ():
+                if loss.found_inf is not None:
+                    found = found + loss.found_inf
+        else:
+            if self._num_losses > 1:
+                raise ScalerStateError(
+                    f"this scaler has num_losses={self._num_losses}: each loss has its own scale, "
+                    f"so gradients must be unscaled per loss. Wrap each backward in "
+                    f"`with scaler.scaled(loss, optimizer, loss_id=i) as s: s.backward()`."
+                )
+            loss = self._ensure(main)[0]
+            groups = group_grads(p for g in optimizer.param_groups for p in g["params"])
+            for device, per_dtype in groups.items():
+                inv = self._inv_scale(loss, device)
+                local = found if device == main else torch.zeros((), device=device)
+                for grads in per_dtype.values():
+                    unscale_and_check_(grads, inv, local, self._unscale_impl)
+                if local is not found:
+                    found = found + local.to(main, non_blocking=True)
+        state.found_inf = found
+        state.pending = self._all_reduce(found)
+        state.stage = _Stage.UNSCALED
+
+    def _check_only(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        # Fused optimizers unscale inside their kernel: only count non-finite scaled gradients.
+        main = self._main_device()
+        found = torch.zeros((), dtype=torch.float32, device=main)
+        groups = group_grads((p for g in optimizer.param_groups for p in g["params"]),
+                             allow_fp16=True)  # fmt: skip
+        for device, per_dtype in groups.items():
+            local = found if device == main else torch.zeros((), device=device)
+            for grads in per_dtype.values():
+                check_finite_(grads, local)
+            if local is not found:
+                found = found + local.to(main, non_blocking=True)
+        return found
+
+    def _all_reduce(self, found: torch.Tensor) -> Any:
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        # MAX, asynchronously: every rank then sees an overflow any rank saw, so all ranks skip
+        # the same steps and keep the same scale. The handle is waited on before found is used;
+        # for NCCL that makes the stream wait, not the host.
+        return dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self._process_group,
+                               async_op=True)  # fmt: skip
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Unscale (if not done yet) and step, unless gradients overflowed. No sync.
+
+        The skip happens on the device (see `mixprec.scaling.skip` for the modes and their
+        costs); the return value is what ``optimizer.step`` returned (None when the step is
+        skipped in ``'sync'`` mode).
+        """
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs or (args and callable(args[0])):
+            raise ScalerStateError(
+                "GradScaler.step does not take a closure: a closure recomputes the loss inside "
+                "optimizer.step(), where it can be neither scaled nor unscaled. Compute the loss, "
+                "call scaler.scale(loss).backward() and then scaler.step(optimizer). Optimizers "
+                "that require a closure (LBFGS) cannot be used with loss scaling; use bf16 "
+                "without a scaler instead."
+            )
+        state = self._state(optimizer)
+        if state.stage is _Stage.STEPPED:
+            raise ScalerStateError(
+                "step(optimizer) was already called since the last update(). Call "
+                "scaler.update() once per iteration, after stepping every optimizer."
+            )
+        guard = self._guards.get(id(optimizer))
+        if guard is None:
+            guard = StepGuard(*choose_mode(optimizer, self._skip_mode))
+            self._guards[id(optimizer)] = guard
+        grad_scale = None
+        if state.stage is _Stage.READY:
+            if guard.mode is SkipMode.FUSED and id(optimizer) not in self._already_unscaled:
+                state.found_inf = self._check_only(optimizer)
+                state.pending = self._all_reduce(state.found_inf)
+                grad_scale = self._ensure(self._main_device())[0].state.scale
+                state.stage = _Stage.UNSCALED
+            else:
+                self.unscale_(optimizer)
+        if state.pending is not None:
+            state.pending.wait()
+            state.pending = None
+        assert state.found_inf is not None  # set by unscale_/_check_only above
+        result = guard.step(optimizer, state.found_inf, grad_scale,
+                            lambda: optimizer.step(*args, **kwargs))  # fmt: skip
+        state.stage = _Stage.STEPPED
+        return result
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """Move the scale(s) for the next iteration: back off on overflow, grow when due. No sync.
+
+        Args:
+            new_scale: set the scale (of loss 0) to this value instead of the rule.
+        """
+        if not self._enabled:
+            return
+        if self._losses is None:
+            raise ScalerStateError(
+                "update() was called before the scaler scaled anything; the order per iteration "
+                "is scale(loss).backward(), step(optimizer), update()."
+            )
+        if new_scale is not None:
+            value = torch.as_tensor(new_scale, dtype=torch.float32)
+            if value.numel() != 1 or value.requires_grad:
+                raise PolicyError(
+                    "new_scale must be a float or a 1-element tensor that does not require grad."
+                )
+            self._losses[0].state.scale.copy_(value.reshape(()))
+        else:
+            steps = [s for s in self._per_optimizer.values() if s.found_inf is not None]
+            if not steps:
+                raise ScalerStateError(
+                    "update() was called, but no optimizer was stepped or unscaled since the "
+                    "last update(). Call scaler.step(optimizer) for every optimizer first."
+                )
+            main = self._main_device()
+            combined = torch.zeros((), dtype=torch.float32, device=main)
+            for s in steps:
+                if s.pending is not None:
+                    s.pending.wait()
+                    s.pending = None
+                combined = combined + s.found_inf
+            if self._num_losses > 1:
+                self._agree_per_loss(combined)
+            for loss in self._losses:
+                # With one loss, every overflow is its own; with several, each loss answers
+                # for the overflows of its own backward (its scaled() blocks).
+                own = combined if self._num_losses == 1 else (
+                    loss.found_inf if loss.found_inf is not None else torch.zeros_like(combined)
+                )  # fmt: skip
+                self._replace(loss, update_scale(loss.state, own, self._config))
+                loss.found_inf = None
+        for loss in self._losses:
+            loss.replicas.clear()
+        self._per_optimizer.clear()
+        self._already_unscaled.clear()
+        if self._on_skip is not None:
+            self._maybe_report()
+
+    def _agree_per_loss(self, like: torch.Tensor) -> None:
+        # Each loss's overflows must be the same on every rank, or per-loss scales drift apart.
+        assert self._losses is not None
+        found = torch.stack([
+            loss.found_inf if loss.found_inf is not None else torch.zeros_like(like)
+            for loss in self._losses
+        ])  # fmt: skip
+        work = self._all_reduce(found)
+        if work is not None:
+            work.wait()
+        for i, loss in enumerate(self._losses):
+            loss.found_inf = found[i]
+
+    @staticmethod
+    def _replace(loss: _Loss, new: ScaleState) -> None:
+        # Copy into the existing tensors: a captured graph holds their addresses.
+        for cur, nxt in zip(loss.state, new, strict=True):
+            cur.copy_(nxt)
+
+    # ----------------------------------------------------------------- reading (syncs)
+
+    def get_scale(self) -> float:
+        """The current scale (of loss 0) as a Python float; 1.0 when disabled.
+
+        Warning: reads a device tensor, i.e. synchronises with the device.
+        """
+        if not self._enabled:
+            return 1.0
+        if self._losses is None:
+            return float(checkpoint.pending_scale(self._pending_load, self._init_scale))
+        return float(self._losses[0].state.scale.item())
+
+    @property
+    def scale_tensor(self) -> torch.Tensor | None:
+        """The scale (of loss 0) as a device tensor, without a sync; None before first use."""
+        return None if self._losses is None else self._losses[0].state.scale
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and trackers of every loss scale, as Python values. Synchronises."""
+        return checkpoint.describe(self)
+
+    def _maybe_report(self) -> None:
+        assert self._losses is not None
+        steps = int(self._losses[0].state.steps.item()) if self._losses else 0  # sync
+        if steps - self._reported_steps < self._check_every:
+            return
+        for loss_id, loss in enumerate(self._losses):
+            hist = loss.state.history.tolist()
+            for step in range(max(self._reported_steps, steps - HISTORY), steps):
+                used = hist[step % HISTORY]
+                if used < 0:
+                    self._on_skip(SkipEvent(step, -used, loss_id))  # type: ignore[misc]
+        self._reported_steps = steps
+
+    # ----------------------------------------------------------------- config accessors
+
+    def get_growth_factor(self) -> float:
+        """The growth factor."""
+        return self._config.growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Set the growth factor (validated)."""
+        self._config = dataclasses.replace(self._config, growth_factor=float(new_factor))
+
+    def get_backoff_factor(self) -> float:
+        """The backoff factor."""
+        return self._config.backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Set the backoff factor (validated)."""
+        self._config = dataclasses.replace(self._config, backoff_factor=float(new_factor))
+
+    def get_growth_interval(self) -> int:
+        """The growth interval."""
+        return self._config.growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Set the growth interval (validated)."""
+        self._config = dataclasses.replace(self._config, growth_interval=new_interval)
+
+    @property
+    def config(self) -> ScaleConfig:
+        """The frozen growth/backoff rule in force."""
+        return self._config
+
+    def is_enabled(self) -> bool:
+        """Whether this scaler scales at all."""
+        return self._enabled
+
+    def skip_mode(self, optimizer: torch.optim.Optimizer) -> tuple[str, str]:
+        """How this scaler skips `optimizer`'s overflowing steps, and why."""
+        mode, reason = choose_mode(optimizer, self._skip_mode)
+        return mode.value, reason
+
+    # ------------------------------------------------------------------ checkpointing
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every field of the scaler (torch.amp's five keys included). Synchronises.
+
+        Call it between iterations (after ``update()``); empty when disabled.
+        """
+        return checkpoint.state_dict(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict from ``state_dict()`` or from ``torch.amp.GradScaler``.
+
+        The whole dict is validated first; on any error nothing changes.
+        """
+        checkpoint.load_state_dict(self, state_dict)
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self._per_optimizer:
+            raise ScalerStateError(
+                "a GradScaler can only be pickled between iterations (before scale() or after "
+                "update()); this one is in the middle of an iteration."
+            )
+        state = self.__dict__.copy()
+        state["_pending_load"] = checkpoint.loss_fields(self)
+        state["_losses"] = None
+        state["_guards"] = {}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)

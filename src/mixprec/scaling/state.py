@@ -1,0 +1,214 @@
+"""Loss-scale state and its update: a frozen config, a tuple of device tensors, a pure function.
+
+The update is written with tensor ops only (``torch.where``), so it never reads a value back to
+the host and can be recorded in a CUDA graph. `update_scale` returns new tensors; the scaler copies
+them into its persistent ones (tensor identity matters to a captured graph).
+
+The rule, per update, with ``found_inf`` the number of non-finite gradients seen this step:
+
+    overflow:  growth_tracker = 0; hysteresis_tracker -= 1
+               if hysteresis_tracker <= 0: scale = max(scale * backoff, min_scale or tiny)
+    clean:     growth_tracker += 1
+               if consecutive_hysteresis: hysteresis_tracker = hysteresis
+               if growth_tracker == growth_interval:
+                   growth_tracker = 0; hysteresis_tracker = hysteresis
+                   if scale * growth is finite: scale = min(scale * growth, max_scale)
+
+With ``hysteresis=1`` and no bounds this is exactly torch's ``_amp_update_scale_`` (same fp32
+products, so the same trajectory bit for bit), except that the scale never backs off below the
+smallest normal fp32 (``tiny``, 1.2e-38), where torch's reaches 0 after about 150 consecutive
+overflows and can never grow again. Hysteresis follows Megatron-LM (back off only
+after ``hysteresis`` overflowing steps; reset on growth) and DeepSpeed's consecutive variant
+(reset on every clean step). A static scale (``dynamic=False``) never changes; overflowing steps
+are still skipped.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from mixprec.errors import PolicyError
+
+__all__ = ["HISTORY", "ScaleConfig", "ScaleState", "init_state", "update_scale"]
+
+#: Length of the device-side ring buffer of past scales (and overflow flags).
+HISTORY = 1024
+
+_TINY = torch.finfo(torch.float32).tiny
+
+
+@dataclass(frozen=True)
+class ScaleConfig:
+    """How the loss scale moves. Immutable; validated on construction.
+
+    Attributes:
+        growth_factor: multiply the scale by this after `growth_interval` clean steps (> 1).
+        backoff_factor: multiply the scale by this on overflow (in (0, 1)).
+        growth_interval: clean steps between growths (>= 1).
+        hysteresis: overflowing steps tolerated before backing off (>= 1; 1 = torch).
+        consecutive_hysteresis: refill the hysteresis budget on every clean step (DeepSpeed),
+            instead of only on growth (Megatron).
+        min_scale: the scale never backs off below this (None: no floor).
+        max_scale: the scale never grows above this (None: only fp32's finite range).
+        dynamic: False fixes the scale at its initial value.
+    """
+
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    hysteresis: int = 1
+    consecutive_hysteresis: bool = False
+    min_scale: float | None = None
+    max_scale: float | None = None
+    dynamic: bool = True
+
+    def __post_init__(self) -> None:
+        def bad(name: str, rule: str) -> PolicyError:
+            return PolicyError(
+                f"GradScaler {name}={getattr(self, name)!r} is invalid: it must be {rule}."
+            )
+
+        if not (isinstance(self.growth_factor, (int, float)) and self.growth_factor > 1.0):
+            raise bad("growth_factor", "a number > 1.0 (2.0 doubles the scale)")
+        if not (isinstance(self.backoff_factor, (int, float)) and 0.0 < self.backoff_factor < 1.0):
+            raise bad("backoff_factor", "a number in (0, 1) (0.5 halves the scale)")
+        if not (isinstance(self.growth_interval, int) and self.growth_interval >= 1):
+            raise bad("growth_interval", "an int >= 1")
+        if not (isinstance(self.hysteresis, int) and self.hysteresis >= 1):
+            raise bad("hysteresis", "an int >= 1 (1 backs off on every overflow, like torch)")
+        for name in ("min_scale", "max_scale"):
+            value = getattr(self, name)
+            if value is not None and not (
+                isinstance(value, (int, float)) and 0.0 < value < math.inf
+            ):
+                raise bad(name, "None or a finite number > 0")
+        if (
+            self.min_scale is not None
+            and self.max_scale is not None
+            and self.min_scale > self.max_scale
+        ):
+            raise PolicyError(
+                f"GradScaler min_scale={self.min_scale} is above max_scale={self.max_scale}; "
+                f"the floor must not exceed the ceiling."
+            )
+
+
+class ScaleState(NamedTuple):
+    """The device-side state of one loss scale. All fields are tensors on one device.
+
+    Attributes:
+        scale: fp32, 0-dim.
+        growth_tracker: int32, 0-dim: consecutive clean steps since the last growth or overflow.
+        hysteresis_tracker: int32, 0-dim: overflows left before the next backoff.
+        steps: int64, 0-dim: updates so far.
+        skipped: int64, 0-dim: updates that saw an overflow (their optimizer steps were skipped).
+        last_skip: int64, 0-dim: the update index of the last overflow (-1: none).
+        history: fp32, (HISTORY,): the scale *used* at each of the last HISTORY updates, negated
+            when that update overflowed (NaN where not yet written); a ring buffer indexed by
+            ``steps % HISTORY``.
+    """
+
+    scale: torch.Tensor
+    growth_tracker: torch.Tensor
+    hysteresis_tracker: torch.Tensor
+    steps: torch.Tensor
+    skipped: torch.Tensor
+    last_skip: torch.Tensor
+    history: torch.Tensor
+
+
+def init_state(
+    init_scale: float,
+    config: ScaleConfig,
+    device: torch.device | str,
+    *,
+    growth_tracker: int = 0,
+    hysteresis_tracker: int | None = None,
+    steps: int = 0,
+    skipped: int = 0,
+    last_skip: int = -1,
+) -> ScaleState:
+    """A fresh state on `device` (one host-to-device copy per field; no sync)."""
+
+    def full(value: float | int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.full((), value, dtype=dtype, device=device)
+
+    return ScaleState(
+        scale=full(float(init_scale), torch.float32),
+        growth_tracker=full(growth_tracker, torch.int32),
+        hysteresis_tracker=full(
+            config.hysteresis if hysteresis_tracker is None else hysteresis_tracker, torch.int32
+        ),
+        steps=full(steps, torch.int64),
+        skipped=full(skipped, torch.int64),
+        last_skip=full(last_skip, torch.int64),
+        history=torch.full((HISTORY,), math.nan, dtype=torch.float32, device=device),
+    )
+
+
+def update_scale(state: ScaleState, found_inf: torch.Tensor, config: ScaleConfig) -> ScaleState:
+    """The state after one step that saw `found_inf` non-finite gradients. Pure and sync-free.
+
+    Args:
+        state: the current state (not modified).
+        found_inf: a 0-dim tensor on the state's device; any non-zero value means overflow.
+        config: the growth/backoff rule.
+
+    Returns:
+        A new `ScaleState` (new tensors; `history` is a new tensor too).
+    """
+    overflow = found_inf != 0
+    one = torch.ones_like(state.growth_tracker)
+    zero = torch.zeros_like(state.growth_tracker)
+    refill = torch.full_like(state.hysteresis_tracker, config.hysteresis)
+
+    # History and counters record the step that just ran, with the scale it used.
+    slot = torch.remainder(state.steps, HISTORY).reshape(1)
+    used = torch.where(overflow, -state.scale, state.scale).reshape(1)
+    history = state.history.index_copy(0, slot, used)
+    steps = state.steps + 1
+    skipped = state.skipped + overflow.to(state.skipped.dtype)
+    last_skip = torch.where(overflow, state.steps, state.last_skip)
+
+    if not config.dynamic:
+        return ScaleState(
+            state.scale.clone(), state.growth_tracker.clone(), state.hysteresis_tracker.clone(),
+            steps, skipped, last_skip, history,
+        )  # fmt: skip
+
+    # Overflow branch. Without a floor, ~150 consecutive overflows would reach 0, from which
+    # no growth recovers: the smallest normal fp32 is the implicit floor.
+    hyst_after = state.hysteresis_tracker - one
+    backoff = state.scale * config.backoff_factor
+    floor = _TINY if config.min_scale is None else config.min_scale
+    backoff = torch.clamp(backoff, min=floor)
+    scale_on_overflow = torch.where(hyst_after <= 0, backoff, state.scale)
+
+    # Clean branch.
+    successful = state.growth_tracker + one
+    grow = successful == config.growth_interval
+    grown = state.scale * config.growth_factor
+    if config.max_scale is not None:
+        grown = torch.clamp(grown, max=config.max_scale)
+    # Never grow past fp32's range to inf (torch PR #98876).
+    grown = torch.where(torch.isfinite(grown), grown, state.scale)
+    scale_on_clean = torch.where(grow, grown, state.scale)
+    tracker_on_clean = torch.where(grow, zero, successful)
+    if config.consecutive_hysteresis:
+        hyst_on_clean = refill
+    else:
+        hyst_on_clean = torch.where(grow, refill, state.hysteresis_tracker)
+
+    return ScaleState(
+        scale=torch.where(overflow, scale_on_overflow, scale_on_clean),
+        growth_tracker=torch.where(overflow, zero, tracker_on_clean),
+        hysteresis_tracker=torch.where(overflow, hyst_after, hyst_on_clean),
+        steps=steps,
+        skipped=skipped,
+        last_skip=last_skip,
+        history=history,
+    )
