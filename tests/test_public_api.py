@@ -8,11 +8,11 @@ import sys
 import mixprec
 
 EXPECTED = [
-    "AutocastError", "BannedOpError", "Decision", "GradScaler", "MixprecError", "OpCategory",
-    "Policy", "PolicyError", "ScaleConfig", "ScalerStateError", "__version__", "autocast",
-    "custom_bwd", "custom_fwd", "default_dtype", "float_function", "get_autocast_dtype",
-    "get_autocast_policy", "half_function", "is_autocast_enabled", "promote_function",
-    "update_scale",
+    "AmpOptimizer", "AutocastError", "BannedOpError", "Decision", "GradScaler", "MixprecError",
+    "OpCategory", "OptLevel", "Policy", "PolicyError", "ScaleConfig", "ScalerStateError",
+    "__version__", "autocast", "custom_bwd", "custom_fwd", "default_dtype", "describe",
+    "float_function", "get_autocast_dtype", "get_autocast_policy", "half_function", "initialize",
+    "is_autocast_enabled", "master_params", "promote_function", "scale_loss", "update_scale",
 ]  # fmt: skip
 
 

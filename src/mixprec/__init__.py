@@ -18,16 +18,26 @@ from mixprec.eager import (
     promote_function,
 )
 from mixprec.errors import AutocastError, BannedOpError, MixprecError, PolicyError
+from mixprec.levels import (
+    AmpOptimizer,
+    OptLevel,
+    describe,
+    initialize,
+    master_params,
+    scale_loss,
+)
 from mixprec.policy import Decision, OpCategory, Policy
 from mixprec.scaling import GradScaler, ScaleConfig, ScalerStateError, update_scale
 
 __all__ = [
+    "AmpOptimizer",
     "AutocastError",
     "BannedOpError",
     "Decision",
     "GradScaler",
     "MixprecError",
     "OpCategory",
+    "OptLevel",
     "Policy",
     "PolicyError",
     "ScaleConfig",
@@ -37,11 +47,15 @@ __all__ = [
     "custom_bwd",
     "custom_fwd",
     "default_dtype",
+    "describe",
     "float_function",
     "get_autocast_dtype",
     "get_autocast_policy",
     "half_function",
+    "initialize",
     "is_autocast_enabled",
+    "master_params",
     "promote_function",
+    "scale_loss",
     "update_scale",
 ]

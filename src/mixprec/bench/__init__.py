@@ -1,0 +1,1 @@
+"""Benchmark workloads and tooling. An application of the library, not part of its API."""

@@ -1,0 +1,224 @@
+"""`initialize` and `scale_loss`: Apex amp's workflow, on modern PyTorch, without global state.
+
+    model, optimizer = mixprec.initialize(model, optimizer, opt_level="O2")
+    for x, y in data:
+        optimizer.zero_grad()
+        loss = loss_fn(model(x), y)
+        with mixprec.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.step()
+
+Everything an opt level needs travels with the returned objects: the model carries its hooks,
+the returned optimizer (an `AmpOptimizer`) carries the master weights and the loss scaler.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.errors import MixprecError, PolicyError
+from mixprec.levels.model import AmpHooks, amp_hooks, cast_model
+from mixprec.levels.optimizer import AmpOptimizer, LossScaling, build_inner
+from mixprec.levels.presets import AmpOptions, OptLevel, resolve
+from mixprec.scaling.scaler import GradScaler
+
+__all__ = ["initialize", "master_params", "scale_loss"]
+
+OptimizerLike = torch.optim.Optimizer | Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+
+
+def _device_type(models: Sequence[nn.Module]) -> str:
+    for model in models:
+        for p in model.parameters():
+            return p.device.type
+    return "cpu"
+
+
+def initialize(
+    models: nn.Module | Sequence[nn.Module],
+    optimizers: OptimizerLike | Sequence[OptimizerLike] | None = None,
+    opt_level: str | OptLevel = "O1",
+    *,
+    dtype: str | torch.dtype | None = None,
+    **overrides: Any,
+) -> Any:
+    """Prepare models and optimizers for an opt level; return them like Apex's ``initialize``.
+
+    Args:
+        models: a model or a list of models (fp32, on their device). They are modified in place
+            (weights cast for O2/O3, hooks added) and returned.
+        optimizers: an optimizer, a list, a factory ``params -> optimizer`` (needed for O2 with
+            optimizers whose class cannot be rebuilt from ``defaults``), or None for inference.
+        opt_level: ``'O0'``, ``'O1'``, ``'O2'`` or ``'O3'``; ``mixprec.describe(level)`` explains.
+        dtype: the low dtype; default fp16 on CUDA, bf16 on CPU.
+        overrides: Apex's option names (``cast_model_type``, ``keep_batchnorm_fp32``,
+            ``master_weights``, ``loss_scale``, ``min_loss_scale``, ``max_loss_scale``,
+            ``cast_model_outputs``, ``patch_torch_functions``) plus ``num_losses`` and
+            ``policy`` (the op policy for O1's autocast).
+
+    Returns:
+        ``model`` (inference), or ``(model, optimizer)``; lists where lists were given. The
+        optimizers are `AmpOptimizer`s; the scaler is ``optimizer.scaler``.
+
+    Raises:
+        PolicyError: an unknown level or option, or options that contradict each other.
+        MixprecError: a model initialized twice, or an optimizer that cannot be rebuilt.
+    """
+    model_list = list(models) if isinstance(models, (list, tuple)) else [models]
+    if not model_list or not all(isinstance(m, nn.Module) for m in model_list):
+        raise PolicyError("initialize expects an nn.Module or a list of them as `models`.")
+    for model in model_list:
+        if amp_hooks(model) is not None:
+            raise MixprecError(
+                f"{type(model).__name__} was already initialized by mixprec.initialize; "
+                f"initialize a model once (build a fresh model to change the opt level)."
+            )
+    options = resolve(opt_level, device_type=_device_type(model_list), dtype=dtype, **overrides)
+    masters: dict[int, torch.Tensor] = {}
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (low-precision weight, its master)
+    for model in model_list:
+        pairs += _prepare_model(model, options, masters)
+
+    if optimizers is None:
+        return models if isinstance(models, (list, tuple)) else model_list[0]
+    opt_list = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+    scaling = LossScaling(_make_scaler(options))
+    wrapped = []
+    for opt in opt_list:
+        if isinstance(opt, AmpOptimizer):
+            raise MixprecError("this optimizer was already returned by mixprec.initialize.")
+        inner = _inner_optimizer(opt, masters, model_list)
+        mine = {id(p) for g in inner.param_groups for p in g["params"]}
+        own = [(low, m) for low, m in pairs if id(m) in mine]
+        wrapped.append(
+            AmpOptimizer(inner, options, scaling, [lo for lo, _ in own], [m for _, m in own])
+        )
+    out_models = models if isinstance(models, (list, tuple)) else model_list[0]
+    out_opts = wrapped if isinstance(optimizers, (list, tuple)) else wrapped[0]
+    return out_models, out_opts
+
+
+def _prepare_model(
+    model: nn.Module, options: AmpOptions, masters: dict[int, torch.Tensor]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    low = options.dtype
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    if options.master_weights:
+        # Masters are taken before the cast: they hold the full fp32 values.
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.is_floating_point() and id(p) not in masters:
+                    masters[id(p)] = p.detach().clone().float()
+    fp32_norms: list[nn.Module] = []
+    model_type = options.cast_model_type
+    if model_type is not None and model_type != torch.float32:
+        fp32_norms = cast_model(model, model_type, options.keep_batchnorm_fp32)
+    if options.master_weights:
+        for p in model.parameters():
+            m = masters.get(id(p))
+            if m is None:
+                continue
+            if p.dtype == torch.float32:  # kept in fp32 (a norm layer): its own master
+                masters[id(p)] = p
+            else:
+                m.requires_grad_(p.requires_grad)
+                pairs.append((p, m))
+    low_model = model_type is not None and model_type != torch.float32
+    region = (options.device_type, low, options.policy) if options.patch_torch_functions else None
+    AmpHooks(
+        model,
+        input_dtype=model_type if low_model else None,
+        output_dtype=options.cast_model_outputs,
+        region=region,
+        fp32_norms=fp32_norms,
+        low=low,
+    )
+    return pairs
+
+
+def _inner_optimizer(
+    opt: OptimizerLike, masters: dict[int, torch.Tensor], models: list[nn.Module]
+) -> torch.optim.Optimizer:
+    if isinstance(opt, torch.optim.Optimizer):
+        return build_inner(opt, masters) if masters else opt
+    if callable(opt):  # a factory: give it the masters (or the model's parameters)
+        params = [masters.get(id(p), p) for m in models for p in m.parameters()]
+        inner = opt(params)
+        if not isinstance(inner, torch.optim.Optimizer):
+            raise PolicyError(
+                f"the optimizer factory returned {type(inner).__name__}, not a "
+                f"torch.optim.Optimizer."
+            )
+        return inner
+    raise PolicyError(
+        f"optimizers must be torch.optim.Optimizer instances, factories or None; got "
+        f"{type(opt).__name__}."
+    )
+
+
+def _make_scaler(options: AmpOptions) -> GradScaler | None:
+    if not options.uses_scaler:
+        return None
+    dynamic = options.dynamic_loss_scale
+    return GradScaler(
+        options.device_type,
+        init_scale=2.0**16 if dynamic else float(options.loss_scale),
+        dynamic=dynamic,
+        min_scale=options.min_loss_scale,
+        max_scale=options.max_loss_scale,
+        num_losses=options.num_losses,
+    )
+
+
+@contextlib.contextmanager
+def scale_loss(
+    loss: torch.Tensor,
+    optimizers: AmpOptimizer | Sequence[AmpOptimizer],
+    loss_id: int = 0,
+) -> Iterator[torch.Tensor]:
+    """Yield the loss scaled for backward; on exit, move and unscale the gradients.
+
+    ``with mixprec.scale_loss(loss, optimizer) as scaled: scaled.backward()``. Inside, gradients
+    are ``scale * g``; on exit they are unscaled and checked for overflow (charged to loss
+    `loss_id`), and in O2 moved into the fp32 master weights, so code after the block (clipping,
+    logging) sees true fp32 gradients. Several blocks per iteration accumulate.
+    """
+    opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+    if not opts or not all(isinstance(o, AmpOptimizer) for o in opts):
+        raise PolicyError(
+            "scale_loss expects the optimizer(s) returned by mixprec.initialize (AmpOptimizer)."
+        )
+    scaling = opts[0]._scaling
+    if any(o._scaling is not scaling for o in opts):
+        raise PolicyError(
+            "scale_loss got optimizers from different mixprec.initialize calls; pass the "
+            "optimizers of one call (they share one loss scaler)."
+        )
+    scaling.flush()  # the previous iteration's deferred scale update
+    scaling.scaled = True
+    scaler = scaling.scaler
+    if scaler is None:
+        yield loss
+        for o in opts:
+            o._after_backward()
+        return
+    with scaler.scaled(loss, [o.optimizer for o in opts], loss_id) as scaled:
+        yield scaled
+        for o in opts:  # into the masters first: the scaler unscales what the optimizer steps
+            o._after_backward()
+
+
+def master_params(optimizer: AmpOptimizer) -> Iterator[torch.Tensor]:
+    """The tensors `optimizer` steps: fp32 masters in O2, the model's weights otherwise.
+
+    Clip these (``torch.nn.utils.clip_grad_norm_(mixprec.master_params(opt), 1.0)``) after
+    ``scale_loss`` and before ``step``.
+    """
+    if not isinstance(optimizer, AmpOptimizer):
+        raise PolicyError("master_params expects an optimizer returned by mixprec.initialize.")
+    yield from optimizer.master_params()

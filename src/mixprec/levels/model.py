@@ -1,0 +1,153 @@
+"""What an opt level does to a model: cast its weights, and hooks around its forward.
+
+Everything is done with PyTorch's own extension points, never by replacing ``forward``:
+
+- weights are cast in place (``param.data``), keeping every Parameter object, so optimizers,
+  state-dict keys and user references stay valid; normalization layers can be kept in fp32;
+- fp32 normalization layers in a low-precision model get forward hooks that run them in fp32
+  (inputs up, outputs back down), so they work with every kernel and keep fp32 statistics;
+- the model gets a pre-hook (cast floating inputs at the entry; enter a ``mixprec.autocast``
+  region for O1) and a post-hook that always runs, also when forward raises (cast outputs,
+  leave the region). Integer inputs such as token ids pass untouched.
+
+The hooks are instances of `AmpHooks`; `amp_hooks(model)` finds them (to refuse initializing a
+model twice), and ``remove()`` takes them off.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.eager.autocast import autocast
+
+__all__ = ["NORM_LAYERS", "AmpHooks", "amp_hooks", "cast_floats", "cast_model"]
+
+#: Module types kept in fp32 by ``keep_batchnorm_fp32`` (all normalization layers, not only BN).
+NORM_LAYERS: tuple[type[nn.Module], ...] = tuple(
+    t for t in (
+        nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm,
+        getattr(nn, "RMSNorm", None), getattr(nn.modules.batchnorm, "SyncBatchNorm", None),
+    ) if t is not None
+)  # fmt: skip
+
+
+def cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    """Cast floating tensors in a nested structure to `dtype`; leave everything else."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+        return type(value)(*(cast_floats(v, dtype) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(cast_floats(v, dtype) for v in value)
+    if isinstance(value, Mapping):
+        return type(value)({k: cast_floats(v, dtype) for k, v in value.items()})
+    return value
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, NORM_LAYERS)
+
+
+def cast_model(model: nn.Module, dtype: torch.dtype, keep_norm_fp32: bool) -> list[nn.Module]:
+    """Cast floating parameters and buffers of `model` to `dtype` in place.
+
+    Returns the normalization layers kept in fp32 (when `keep_norm_fp32`).
+    """
+    kept: list[nn.Module] = []
+    skip: set[int] = set()
+    if keep_norm_fp32:
+        for module in model.modules():
+            if _is_norm(module):
+                kept.append(module)
+                for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+                    skip.add(id(t))
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            if t.is_floating_point() and id(t) not in skip and t.dtype != dtype:
+                t.data = t.data.to(dtype)
+                if t.grad is not None:
+                    t.grad = None  # a gradient of the old dtype no longer fits
+    return kept
+
+
+class AmpHooks:
+    """The forward hooks one ``initialize`` call puts on a model and its fp32 norm layers."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        input_dtype: torch.dtype | None,
+        output_dtype: torch.dtype | None,
+        region: tuple[str, torch.dtype, Any] | None,
+        fp32_norms: list[nn.Module],
+        low: torch.dtype,
+    ) -> None:
+        self.input_dtype = input_dtype
+        self.output_dtype = output_dtype
+        self.region = region
+        self._local = threading.local()  # per-thread stack of open regions (re-entrant calls)
+        self._handles = [
+            model.register_forward_pre_hook(self._enter, with_kwargs=True),
+            model.register_forward_hook(self._leave, with_kwargs=True, always_call=True),
+        ]
+        for norm in fp32_norms:
+            self._handles.append(norm.register_forward_pre_hook(_to_fp32, with_kwargs=True))
+            self._handles.append(norm.register_forward_hook(_OutputTo(low), always_call=False))
+
+    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.input_dtype is not None:
+            args = cast_floats(args, self.input_dtype)
+            kwargs = cast_floats(kwargs, self.input_dtype)
+        if self.region is not None:
+            device_type, dtype, policy = self.region
+            region = autocast(device_type, dtype=dtype, policy=policy)
+            region.__enter__()
+            stack = getattr(self._local, "stack", None)
+            if stack is None:
+                stack = self._local.stack = []
+            stack.append(region)
+        return args, kwargs
+
+    def _leave(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if self.region is not None:
+            stack = getattr(self._local, "stack", None)
+            if stack:
+                stack.pop().__exit__(None, None, None)
+        if self.output_dtype is not None and output is not None:
+            return cast_floats(output, self.output_dtype)
+        return None
+
+    def remove(self) -> None:
+        """Take every hook off the model and its layers."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def _to_fp32(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return cast_floats(args, torch.float32), cast_floats(kwargs, torch.float32)
+
+
+class _OutputTo:
+    """Post-hook casting a norm layer's fp32 output back to the model's low dtype."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        return cast_floats(output, self.dtype)
+
+
+def amp_hooks(model: nn.Module) -> AmpHooks | None:
+    """The `AmpHooks` on `model`, if ``initialize`` has been applied to it."""
+    for hook in model._forward_pre_hooks.values():
+        owner = getattr(hook, "__self__", None)
+        if isinstance(owner, AmpHooks):
+            return owner
+    return None

@@ -1,0 +1,257 @@
+"""`AmpOptimizer`: the optimizer ``initialize`` returns, carrying master weights and the scaler.
+
+Composition, not patching: the wrapper holds an inner torch optimizer and forwards to it. For O2
+the inner optimizer is a new instance of the user's optimizer class, built with the same param
+groups and hyperparameters over fp32 *master* copies of the model's low-precision weights (fp32
+parameters, such as normalization layers kept in fp32, are their own masters). The user's
+optimizer object is left alone.
+
+The O2 step, and what it costs:
+
+1. after each backward (``scale_loss`` exit), the low-precision gradients are added into the
+   masters' fp32 gradients and dropped, so accumulation over micro-batches happens in fp32;
+2. the scaler unscales and checks the master gradients (fp16) and ``step`` runs the inner
+   optimizer on the masters, skipped on the device on overflow;
+3. the masters are copied back into the model's weights (one multi-tensor cast-copy), which is
+   harmless after a skipped step: the masters did not change.
+
+The wrapper subclasses ``torch.optim.Optimizer`` so that LR schedulers accept it; its
+``param_groups`` and ``state`` *are* the inner optimizer's, so schedulers and
+``clip_grad_norm_`` act on what is stepped (the masters, in O2).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from mixprec.errors import MixprecError
+from mixprec.levels.presets import AmpOptions
+from mixprec.scaling.scaler import GradScaler, ScalerStateError
+
+__all__ = ["AmpOptimizer", "LossScaling", "build_inner"]
+
+FORMAT = "mixprec.AmpOptimizer/1"
+
+
+class AmpCheckpointError(MixprecError, ValueError):
+    """An AmpOptimizer state dict that does not fit this optimizer (nothing was changed)."""
+
+
+class LossScaling:
+    """The loss scaler shared by the optimizers of one ``initialize`` call.
+
+    ``update()`` must run once per iteration after every optimizer stepped; with several
+    optimizers nobody knows which steps last, so the update is deferred to the start of the
+    next ``scale_loss`` (or to ``state_dict``/``loss_scale``), and run if any step happened.
+    """
+
+    def __init__(self, scaler: GradScaler | None) -> None:
+        self.scaler = scaler
+        self.pending = False  # an optimizer stepped since the last update
+        self.scaled = False  # scale_loss ran in this iteration
+        self.stepped: set[int] = set()  # optimizers stepped in this iteration
+
+    def flush(self) -> None:
+        """Run the deferred ``update()``, if a step is waiting for it; start a new iteration."""
+        if self.pending and self.scaler is not None:
+            self.scaler.update()
+        self.pending = False
+        self.scaled = False
+        self.stepped.clear()
+
+
+def build_inner(
+    optimizer: torch.optim.Optimizer, masters: dict[int, torch.Tensor]
+) -> torch.optim.Optimizer:
+    """A new optimizer of `optimizer`'s class over the master tensors, with its groups and state.
+
+    Raises:
+        MixprecError: the class cannot be rebuilt from its ``defaults`` (a custom optimizer
+            with extra constructor arguments): pass a factory instead.
+    """
+    groups = []
+    for group in optimizer.param_groups:
+        new = {k: v for k, v in group.items() if k != "params"}
+        new["params"] = [masters.get(id(p), p) for p in group["params"]]
+        groups.append(new)
+    cls = type(optimizer)
+    # Only the defaults the constructor takes: some are derived (AdamW records
+    # decoupled_weight_decay, which its __init__ fixes); the groups carry every value anyway.
+    accepted = inspect.signature(cls.__init__).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    defaults = {k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted}
+    try:
+        inner = cls(groups, **defaults)
+    except TypeError as err:
+        raise MixprecError(
+            f"cannot rebuild {cls.__name__} over fp32 master weights from its defaults ({err}). "
+            f"Pass a factory instead of an instance: mixprec.initialize(model, lambda params: "
+            f"{cls.__name__}(params, ...), opt_level='O2')."
+        ) from err
+    if optimizer.state:
+        inner.load_state_dict(optimizer.state_dict())
+    return inner
+
+
+class AmpOptimizer(torch.optim.Optimizer):
+    """An optimizer with its opt level's master weights and loss scaler attached.
+
+    Use it like the optimizer it wraps: ``zero_grad()``, backward inside
+    ``mixprec.scale_loss(loss, optimizer)``, ``step()``. `optimizer` is the inner torch
+    optimizer; `scaler` the `mixprec.GradScaler` (None without loss scaling).
+    """
+
+    def __init__(
+        self,
+        inner: torch.optim.Optimizer,
+        options: AmpOptions,
+        scaling: LossScaling,
+        low_params: list[torch.Tensor],
+        masters: list[torch.Tensor],
+    ) -> None:
+        # Initialize Optimizer's bookkeeping (hooks, profiling names) on a placeholder, then
+        # share the inner optimizer's groups, state and defaults.
+        super().__init__([torch.zeros(0, requires_grad=True)], {})
+        self.param_groups = inner.param_groups
+        self.state = inner.state  # type: ignore[assignment]
+        self.defaults = inner.defaults
+        self.optimizer = inner
+        self.options = options
+        self._scaling = scaling
+        self._low = low_params  # model weights in the low dtype ...
+        self._masters = masters  # ... and their fp32 masters, index for index
+
+    def __repr__(self) -> str:
+        return (f"AmpOptimizer({self.options.level.value}, {type(self.optimizer).__name__}, "
+                f"masters={len(self._masters)}, scaler={self.scaler is not None})")  # fmt: skip
+
+    @property
+    def scaler(self) -> GradScaler | None:
+        """The loss scaler (shared by the optimizers of one ``initialize`` call)."""
+        return self._scaling.scaler
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 without scaling). Synchronises with the device."""
+        self._scaling.flush()
+        return self.scaler.get_scale() if self.scaler is not None else 1.0
+
+    def master_params(self) -> Iterable[torch.Tensor]:
+        """The tensors the inner optimizer steps (fp32 masters in O2; the model's otherwise)."""
+        for group in self.param_groups:
+            yield from group["params"]
+
+    # ----------------------------------------------------------------- the step
+
+    def _after_backward(self) -> None:
+        """Move the model's low-precision gradients into the fp32 masters (O2)."""
+        with torch.no_grad():
+            for low, master in zip(self._low, self._masters, strict=True):
+                if low.grad is None:
+                    continue
+                if master.grad is None:
+                    master.grad = low.grad.to(master.dtype)
+                else:
+                    master.grad.add_(low.grad)
+                low.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients of the masters and of the model's weights."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        for low in self._low:
+            low.grad = None
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        """Step the inner optimizer (on the masters in O2); skipped on the device on overflow."""
+        if closure is not None:
+            raise ScalerStateError(
+                "AmpOptimizer.step does not take a closure: compute the loss and call backward "
+                "inside mixprec.scale_loss(loss, optimizer), then optimizer.step()."
+            )
+        self._after_backward()
+        scaler = self.scaler
+        if scaler is None:
+            result = self.optimizer.step()
+        else:
+            if not self._scaling.scaled or id(self) in self._scaling.stepped:
+                raise ScalerStateError(
+                    f"{self.options.level.value} scales the loss "
+                    f"(loss_scale={self.options.loss_scale!r}): call backward inside "
+                    f"`with mixprec.scale_loss(loss, optimizer) as scaled: scaled.backward()` "
+                    f"before optimizer.step(); a plain loss.backward() leaves gradients the "
+                    f"scaler cannot interpret."
+                )
+            result = scaler.step(self.optimizer)
+            self._scaling.pending = True
+            self._scaling.stepped.add(id(self))
+        if self._low:
+            with torch.no_grad():
+                torch._foreach_copy_(self._low, self._masters)
+        return result
+
+    # ----------------------------------------------------------------- checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """Inner optimizer, fp32 masters and scaler, in one dict. Synchronises (reads the scale)."""
+        self._scaling.flush()
+        return {
+            "format": FORMAT,
+            "opt_level": self.options.level.value,
+            "optimizer": self.optimizer.state_dict(),
+            "masters": [m.detach().clone() for m in self._masters],
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load what ``state_dict`` wrote; everything is checked before anything changes."""
+        if not isinstance(state_dict, dict) or state_dict.get("format") != FORMAT:
+            raise AmpCheckpointError(
+                f"not an AmpOptimizer state dict (format {state_dict.get('format')!r} expected "
+                f"{FORMAT!r}); to load a plain optimizer's state use optimizer.optimizer."
+                f"load_state_dict(...)." if isinstance(state_dict, dict) else
+                f"AmpOptimizer.load_state_dict expects a dict, got {type(state_dict).__name__}."
+            )  # fmt: skip
+        if state_dict.get("opt_level") != self.options.level.value:
+            raise AmpCheckpointError(
+                f"the state dict was saved at opt level {state_dict.get('opt_level')!r}, this "
+                f"optimizer runs {self.options.level.value!r}: initialize with the same level."
+            )
+        masters = state_dict.get("masters")
+        if (
+            not isinstance(masters, list)
+            or len(masters) != len(self._masters)
+            or any(
+                not isinstance(a, torch.Tensor) or a.shape != b.shape
+                for a, b in zip(masters, self._masters, strict=False)
+            )
+        ):
+            raise AmpCheckpointError(
+                f"the state dict's master weights do not match this model: expected "
+                f"{len(self._masters)} tensors of shapes {[tuple(m.shape) for m in self._masters]}."
+            )
+        scaler_sd = state_dict.get("scaler")
+        if (scaler_sd is None) != (self.scaler is None):
+            raise AmpCheckpointError(
+                "the state dict's loss-scaling setting differs from this optimizer's; "
+                "initialize with the same loss_scale."
+            )
+        if self.scaler is not None:
+            GradScaler(self.scaler._device, enabled=True).load_state_dict(scaler_sd)  # dry run
+        snapshot = self.optimizer.state_dict()
+        try:
+            self.optimizer.load_state_dict(state_dict["optimizer"])
+        except (ValueError, KeyError, TypeError) as err:
+            self.optimizer.load_state_dict(snapshot)
+            raise AmpCheckpointError(f"the inner optimizer refused its state: {err}") from err
+        with torch.no_grad():
+            for dst, src in zip(self._masters, masters, strict=True):
+                dst.copy_(src)
+            if self._low:
+                torch._foreach_copy_(self._low, self._masters)
+        if self.scaler is not None:
+            self.scaler.load_state_dict(scaler_sd)
+        self._scaling.pending = False

@@ -1,0 +1,338 @@
+"""Opt levels O0-O3: named, frozen presets that say what they do and why each option has its value.
+
+An opt level is a preset of Apex's options. `resolve` applies a user's overrides (Apex's names)
+to a preset for a device and dtype, checks the combination, and returns an `AmpOptions` in which
+every value carries the reason it was chosen; ``describe()`` prints it. Inconsistent overrides
+raise an error naming the conflict, or warn when the combination works but is probably not what
+was meant.
+"""
+
+from __future__ import annotations
+
+import enum
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mixprec.dtypes import dtype_name, parse_device_type, parse_dtype, resolve_dtype
+from mixprec.errors import PolicyError, format_options, unknown_value
+from mixprec.policy.policy import Policy
+
+__all__ = ["OVERRIDES", "AmpOptions", "OptLevel", "describe", "resolve"]
+
+
+class OptLevel(str, enum.Enum):
+    """The four opt levels, after Apex amp."""
+
+    O0 = "O0"
+    O1 = "O1"
+    O2 = "O2"
+    O3 = "O3"
+
+    @classmethod
+    def parse(cls, value: str | OptLevel) -> OptLevel:
+        """Accept ``'O2'``, ``'o2'`` or ``OptLevel.O2``; list the valid levels otherwise."""
+        if isinstance(value, OptLevel):
+            return value
+        if isinstance(value, str):
+            key = value.strip().upper()
+            if key in cls.__members__:
+                return cls[key]
+            if key.startswith("0") and "O" + key[1:] in cls.__members__:  # '02' typed for 'O2'
+                return cls["O" + key[1:]]
+        raise PolicyError(
+            unknown_value("opt level", value, [m.value for m in cls],
+                          hint="Levels are the letter O and a digit: 'O0' ... 'O3'.")
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Preset:
+    summary: str
+    description: str
+    cast_model_type: str | None  # "low", "fp32" or None (leave the model's dtype alone)
+    patch_torch_functions: bool
+    keep_batchnorm_fp32: bool | None
+    master_weights: bool
+    loss_scale: str | float  # "dynamic" or a number
+    cast_model_outputs: str | None  # "fp32" or None
+
+
+PRESETS: dict[OptLevel, _Preset] = {
+    OptLevel.O0: _Preset(
+        "O0: pure fp32 training (the baseline).",
+        "Model, activations and optimizer stay in fp32; no casts, no loss scaling. Use it to "
+        "establish the accuracy the other levels must match.",
+        "fp32",
+        False,
+        None,
+        False,
+        1.0,
+        None,
+    ),
+    OptLevel.O1: _Preset(
+        "O1: mixed precision by op (autocast); fp32 weights.",
+        "The model's forward runs under mixprec.autocast: matmuls and convolutions in the low "
+        "dtype, precision-sensitive ops in fp32, following the op policy. Weights, gradients "
+        "and the optimizer stay fp32. fp16 needs dynamic loss scaling; bf16 does not. The "
+        "safest level, and the one torch.amp offers.",
+        None,
+        True,
+        None,
+        False,
+        "dynamic",
+        None,
+    ),
+    OptLevel.O2: _Preset(
+        "O2: low-precision model with fp32 normalization layers and fp32 master weights.",
+        "The model's weights are cast to the low dtype, except normalization layers (BatchNorm, "
+        "LayerNorm, GroupNorm, ...), which stay fp32 and compute in fp32. Floating inputs are "
+        "cast at the model's entry and outputs returned in fp32. The optimizer steps on fp32 "
+        "master copies of the weights, so updates smaller than the low dtype's resolution still "
+        "accumulate; the low-precision weights are refreshed from them after each step. No "
+        "per-step weight cast, half the weight memory traffic of O1.",
+        "low",
+        False,
+        True,
+        True,
+        "dynamic",
+        "fp32",
+    ),
+    OptLevel.O3: _Preset(
+        "O3: pure low precision (the speed-of-light baseline).",
+        "Every weight, normalization layers included, is in the low dtype, inputs are cast at "
+        "the model's entry, and the optimizer updates the low-precision weights directly: no "
+        "master weights, no loss scaling. Fastest and least accurate; updates below the low "
+        "dtype's resolution are lost. Use it to see what O1/O2 could reach, not to train.",
+        "low",
+        False,
+        False,
+        False,
+        1.0,
+        None,
+    ),
+}
+
+#: The override names `initialize` accepts (Apex's, plus mixprec's `policy` and `num_losses`).
+OVERRIDES = (
+    "cast_model_type", "patch_torch_functions", "keep_batchnorm_fp32", "master_weights",
+    "loss_scale", "min_loss_scale", "max_loss_scale", "cast_model_outputs", "num_losses",
+    "policy",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Option:
+    """One resolved option: its value and why it has it."""
+
+    name: str
+    value: Any
+    reason: str
+
+    def __str__(self) -> str:
+        value = dtype_name(self.value) if isinstance(self.value, torch.dtype) else self.value
+        return f"{self.name:22s} = {value!s:10s} ({self.reason})"
+
+
+@dataclass(frozen=True)
+class AmpOptions:
+    """An opt level resolved for a device and dtype, with overrides applied and explained."""
+
+    level: OptLevel
+    device_type: str
+    dtype: torch.dtype
+    cast_model_type: torch.dtype | None
+    patch_torch_functions: bool
+    keep_batchnorm_fp32: bool
+    master_weights: bool
+    loss_scale: str | float
+    min_loss_scale: float | None
+    max_loss_scale: float | None
+    cast_model_outputs: torch.dtype | None
+    num_losses: int
+    policy: Policy
+    options: tuple[Option, ...] = field(default=(), compare=False)
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        """Whether a dynamic loss scaler runs."""
+        return self.loss_scale == "dynamic"
+
+    @property
+    def uses_scaler(self) -> bool:
+        """Whether a loss scaler runs at all (dynamic, or a static scale other than 1)."""
+        return self.dynamic_loss_scale or float(self.loss_scale) != 1.0
+
+    def __str__(self) -> str:
+        preset = PRESETS[self.level]
+        lines = [preset.summary, "", preset.description, "",
+                 f"Resolved for {self.device_type} / {dtype_name(self.dtype)}:"]  # fmt: skip
+        lines += [f"  {opt}" for opt in self.options]
+        return "\n".join(lines)
+
+
+def _parse_model_type(value: Any, low: torch.dtype) -> torch.dtype | None:
+    if value is None:
+        return None
+    if value == "low":
+        return low
+    return parse_dtype(value)
+
+
+def resolve(
+    opt_level: str | OptLevel = "O1",
+    *,
+    device_type: str = "cuda",
+    dtype: str | torch.dtype | None = None,
+    **overrides: Any,
+) -> AmpOptions:
+    """Apply `overrides` to the preset `opt_level` for `device_type`/`dtype`, with reasons.
+
+    Raises:
+        PolicyError: an unknown level or override name, a bad value, or options that
+            contradict each other (the message names both).
+    """
+    level = OptLevel.parse(opt_level)
+    device_type = parse_device_type(device_type)
+    unknown = sorted(set(overrides) - set(OVERRIDES))
+    if unknown:
+        raise PolicyError(unknown_value("initialize option", unknown[0], OVERRIDES))
+    preset = PRESETS[level]
+    choice = resolve_dtype(device_type, dtype)
+    low = choice.dtype
+    opts: list[Option] = []
+
+    def pick(name: str, preset_value: Any, why: str) -> Any:
+        if name in overrides:
+            value = overrides[name]
+            opts.append(Option(name, value, "set by the caller"))
+            return value
+        opts.append(Option(name, preset_value, why))
+        return preset_value
+
+    opts.append(Option("dtype", low, choice.reason))
+    model_type = _parse_model_type(
+        pick("cast_model_type", preset.cast_model_type,
+             {"fp32": "the fp32 baseline", None: "weights stay fp32; autocast casts per op",
+              "low": "weights in the low dtype"}[preset.cast_model_type]),
+        low,
+    )  # fmt: skip
+    patch = bool(pick("patch_torch_functions", preset.patch_torch_functions,
+                      "the forward runs under mixprec.autocast" if preset.patch_torch_functions
+                      else "no per-op casting: the model's dtype decides"))  # fmt: skip
+    keep_bn = pick("keep_batchnorm_fp32", preset.keep_batchnorm_fp32,
+                   "normalization statistics need fp32's range and precision"
+                   if preset.keep_batchnorm_fp32 else "no model cast, nothing to keep"
+                   if preset.keep_batchnorm_fp32 is None else "pure low precision")  # fmt: skip
+    master = bool(pick("master_weights", preset.master_weights,
+                       "updates smaller than the low dtype's resolution must accumulate in fp32"
+                       if preset.master_weights else "the optimizer's weights are already "
+                       "the model's"))  # fmt: skip
+    default_scale: str | float = preset.loss_scale
+    why_scale = "the preset"
+    if preset.loss_scale == "dynamic" and low == torch.bfloat16:
+        default_scale, why_scale = 1.0, "bf16 has fp32's exponent range: gradients do not underflow"
+    elif preset.loss_scale == "dynamic":
+        why_scale = "fp16 gradients underflow below 6e-8 without scaling"
+    elif level is OptLevel.O0:
+        why_scale = "fp32 gradients need no scaling"
+    else:
+        why_scale = "no master weights: the scaler cannot unscale low-precision gradients"
+    loss_scale = pick("loss_scale", default_scale, why_scale)
+    min_ls = pick("min_loss_scale", None, "no floor (a floor stops the scale collapsing)")
+    max_ls = pick("max_loss_scale", None, "no ceiling beyond fp32's range")
+    outputs = pick("cast_model_outputs", preset.cast_model_outputs,
+                   "losses are computed in fp32 on the model's outputs" if preset.cast_model_outputs
+                   else "outputs stay in the dtype the model computed them in")  # fmt: skip
+    num_losses = pick("num_losses", 1, "one loss, one scale")
+    policy = pick("policy", Policy(), "torch.autocast's op lists")
+    if isinstance(policy, str):
+        policy = Policy.from_string(policy)
+
+    _check(level, low, model_type, patch, keep_bn, master, loss_scale, min_ls, max_ls,
+           num_losses, policy, overrides)  # fmt: skip
+    return AmpOptions(
+        level, device_type, low, model_type, patch, bool(keep_bn), master, loss_scale,
+        min_ls, max_ls, _parse_model_type(outputs, low) if outputs else None, num_losses, policy,
+        tuple(opts),
+    )  # fmt: skip
+
+
+def _check(level, low, model_type, patch, keep_bn, master, loss_scale, min_ls, max_ls,
+           num_losses, policy, overrides) -> None:  # fmt: skip
+    if not (
+        loss_scale == "dynamic"
+        or (
+            isinstance(loss_scale, (int, float))
+            and not isinstance(loss_scale, bool)
+            and loss_scale > 0
+        )
+    ):
+        raise PolicyError(
+            f"loss_scale={loss_scale!r} is invalid: use 'dynamic' or a positive number "
+            f"(1.0 turns loss scaling off)."
+        )  # fmt: skip
+    for name, value in (("min_loss_scale", min_ls), ("max_loss_scale", max_ls)):
+        if value is not None and not (isinstance(value, (int, float)) and value > 0):
+            raise PolicyError(f"{name}={value!r} is invalid: use None or a number > 0.")
+    if not (isinstance(num_losses, int) and num_losses >= 1):
+        raise PolicyError(f"num_losses={num_losses!r} is invalid: use an int >= 1.")
+    if not isinstance(policy, Policy):
+        raise PolicyError("policy must be a mixprec.Policy or its string form.")
+    if model_type not in (None, torch.float32, low):
+        raise PolicyError(
+            f"cast_model_type={dtype_name(model_type)!r} is neither fp32 nor this run's low "
+            f"dtype {dtype_name(low)!r}. Valid: {format_options(['fp32', dtype_name(low)])} or "
+            f"None."
+        )
+    low_model = model_type is not None and model_type != torch.float32
+    scaled = loss_scale == "dynamic" or float(loss_scale) != 1.0
+    if low_model and not master and scaled:
+        raise PolicyError(
+            f"{level.value}: a {dtype_name(low)} model without master weights cannot use loss "
+            f"scaling (loss_scale={loss_scale!r}): its gradients are {dtype_name(low)}, and a "
+            f"scaler can only unscale fp32 gradients without losing their small values. Use "
+            f"opt_level='O2' (master_weights=True), or loss_scale=1.0."
+        )
+    if master and not low_model:
+        raise PolicyError(
+            f"{level.value}: master_weights=True needs a low-precision model to be the master "
+            f"of (cast_model_type={dtype_name(low)!r}); with fp32 weights the master copies would "
+            f"duplicate them for nothing. Use opt_level='O2', or drop master_weights."
+        )
+    if level is OptLevel.O1 and "cast_model_type" in overrides and low_model:
+        warnings.warn(
+            "O1 casts around each op and expects fp32 weights; with cast_model_type="
+            f"{dtype_name(low)!r} the weights are low precision too, which is O2/O3 territory. "
+            "Consider opt_level='O2'.",
+            UserWarning,
+            stacklevel=4,
+        )
+    if low_model and "keep_batchnorm_fp32" in overrides and keep_bn is None:
+        raise PolicyError("keep_batchnorm_fp32 must be True or False for a low-precision model.")
+    if not low_model and overrides.get("keep_batchnorm_fp32"):
+        warnings.warn(
+            "keep_batchnorm_fp32=True has no effect: the model's weights are not cast.",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
+def describe(
+    opt_level: str | OptLevel = "O1",
+    *,
+    device_type: str = "cuda",
+    dtype: str | torch.dtype | None = None,
+    **overrides: Any,
+) -> AmpOptions:
+    """An opt level resolved with `overrides`; ``print()`` it for the summary, the paragraph and
+    every option with the reason for its value.
+
+    Examples:
+        >>> print(mixprec.describe("O2", device_type="cpu"))   # doctest: +ELLIPSIS
+        O2: low-precision model with fp32 normalization layers and fp32 master weights.
+        ...
+    """
+    return resolve(opt_level, device_type=device_type, dtype=dtype, **overrides)
