@@ -1,44 +1,156 @@
-"""The console script, run as a user runs it (a subprocess)."""
+"""The console script, run as a user runs it (a subprocess): help texts, tiny bench and train
+runs that write JSON and PNG files, the CIFAR-10 loader on a file in CIFAR's own format, and
+every error path (bad names, CUDA without CUDA, unwritable outputs) failing before any work."""
 
 from __future__ import annotations
 
+import json
+import os
+import pickle
 import subprocess
 import sys
 
+import pytest
+import torch
+
 import mixprec
+from mixprec.bench import data as datasets
+
+ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
 
 
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
+def _run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "mixprec", *args], capture_output=True, text=True, timeout=120
-    )
+        [sys.executable, "-m", "mixprec", *args], capture_output=True, text=True,
+        timeout=timeout, env=ENV,
+    )  # fmt: skip
 
 
-def test_help_explains():
+def test_help_texts():
     out = _run("--help")
     assert out.returncode == 0
-    assert "mixed-precision" in out.stdout and "policy" in out.stdout and "examples:" in out.stdout
+    for word in ("bench", "train", "policy", "examples:", "mixed-precision"):
+        assert word in out.stdout
+    bench = _run("bench", "--help").stdout
+    for word in ("--full", "--variants", "mlp", "resnet50", "gpt2", "torch.amp", "O2",
+                 "listed with the reason"):  # fmt: skip
+        assert word in bench, word
+    train = _run("train", "--help").stdout
+    assert "scikit-learn" in train and "cifar10:PATH" in train and "--seeds" in train
 
 
 def test_version():
     out = _run("--version")
-    assert out.returncode == 0
-    assert f"mixprec {mixprec.__version__}" in out.stdout and "torch" in out.stdout
+    assert out.returncode == 0 and f"mixprec {mixprec.__version__}" in out.stdout
 
 
-def test_policy_listing_and_single_ops():
-    out = _run("policy", "--device", "cuda")
-    assert out.returncode == 0
-    assert "lower (" in out.stdout and "mm" in out.stdout and "fp32_output" in out.stdout
+def test_tiny_bench_writes_json_and_png(tmp_path):
+    js, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    out = _run("bench", "mlp", "--steps", "1", "--warmup", "0", "--no-progress",
+               "--json", str(js), "--plot", str(png))  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(js.read_text())
+    assert [r["variant"] for r in rows] == ["fp32", "tf32", "torch.amp", "O1", "O2", "O3",
+                                            "trainstep"]  # fmt: skip
+    by = {r["variant"]: r for r in rows}
+    assert by["tf32"]["status"] == "skipped" and "TF32" in by["tf32"]["reason"]
+    assert by["trainstep"]["status"] == "skipped"
+    for name in ("fp32", "torch.amp", "O1", "O2", "O3"):
+        r = by[name]
+        assert r["status"] == "ok" and r["ms_per_step"] > 0 and r["final_loss"] > 0
+        assert r["torch"] == torch.__version__ and r["command"].startswith("mixprec bench")
+    assert by["fp32"]["speedup_vs_fp32"] == 1.0 and by["torch.amp"]["speedup_vs_torch_amp"] == 1.0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "skipped: TF32" in out.stdout and "ms/step" in out.stdout
+
+
+def test_fp16_on_cpu_is_listed_with_the_reason(tmp_path):
+    out = _run("bench", "mlp", "--dtype", "fp16", "--steps", "1", "--warmup", "0",
+               "--variants", "fp32,O1", "--no-progress")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "O1         skipped: fp16 matmuls have no fast kernels" in out.stdout
+
+
+def test_tiny_train_writes_png_and_json(tmp_path):
+    out = _run("train", "--epochs", "1", "--modes", "fp32,O2", "--no-progress",
+               "--out", str(tmp_path / "run"))  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    result = json.loads((tmp_path / "run" / "train.json").read_text())
+    assert {s["mode"] for s in result["summary"]} == {"fp32", "O2"}
+    assert all(0.0 <= r["test_accuracy"] <= 1.0 for r in result["records"])
+    assert result["meta"]["data"].startswith("digits: 1437 train / 360 test")
+    assert (tmp_path / "run" / "train.png").read_bytes()[:4] == b"\x89PNG"
+    assert "within noise" in out.stdout or "OUTSIDE noise" in out.stdout
+
+
+def test_cifar10_loader_reads_the_python_pickle_format(tmp_path):
+    np = pytest.importorskip("numpy")
+    rng = np.random.default_rng(0)
+    for name, n in [*((f"data_batch_{i}", 6) for i in range(1, 6)), ("test_batch", 4)]:
+        batch = {
+            b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+            b"labels": list(rng.integers(0, 10, n)),
+            b"batch_label": name.encode(),
+        }
+        with open(tmp_path / name, "wb") as fh:
+            pickle.dump(batch, fh)
+    ds = datasets.load(f"cifar10:{tmp_path}")
+    assert ds.train_x.shape == (30, 3, 32, 32) and ds.test_x.shape == (4, 3, 32, 32)
+    assert ds.train_y.dtype == torch.long and ds.num_classes == 10
+    assert abs(ds.train_x.mean().item()) < 1e-5  # normalized per channel
+    out = _run("train", "--data", f"cifar10:{tmp_path}", "--epochs", "1", "--batch-size", "8",
+               "--modes", "fp32", "--no-progress", "--out", str(tmp_path / "out"))  # fmt: skip
+    assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["bench", "vgg"], "unknown benchmark 'vgg'. Valid: mlp, resnet50, gpt2 or all."),
+        (["bench", "--variants", "fp32,O4"], "unknown --variants 'O4'. Valid: fp32, tf32"),
+        (["bench", "--device", "tpu"], "unknown --device 'tpu'. Valid: 'auto', 'cpu' or 'cuda'"),
+        (["bench", "--dtype", "fp8"], "unknown --dtype 'fp8'. Valid: 'auto', 'bf16' or 'fp16'"),
+        (["bench", "--steps", "0"], "--steps must be >= 1"),
+        (["train", "--modes", "fp32,O9"], "unknown --modes 'O9'. Valid: fp32, torch.amp"),
+        (["train", "--model", "vit"], "unknown --model 'vit'. Valid: cnn, resnet50"),
+        (["train", "--data", "mnist"], "unknown data set 'mnist'. Valid: 'digits'"),
+        (["train", "--epochs", "0"], "--epochs must be >= 1"),
+        (["policy", "--device", "gpu", "--op", "mm"], "unknown device type 'gpu'"),
+    ],
+)
+def test_bad_names_list_the_valid_ones(args, message):
+    out = _run(*args)
+    assert out.returncode == 2, out.stdout
+    assert message in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+@pytest.mark.parametrize("command", ["bench", "train"])
+def test_cuda_without_cuda_says_so(command):
+    out = _run(command, "--device", "cuda", "--no-progress")
+    assert out.returncode == 2 and "CUDA is not available" in out.stderr
+
+
+def test_unwritable_outputs_fail_before_any_work(tmp_path):
+    cases = [
+        (["bench", "--json", str(tmp_path / "missing" / "x.json")], "does not exist"),
+        (["bench", "--plot", str(tmp_path)], "is a directory"),
+        (["train", "--out", "/proc/mixprec-cannot-write"], "cannot be created"),
+    ]
+    for args, message in cases:
+        out = _run(*args, "--no-progress", timeout=60)
+        assert out.returncode == 2 and message in out.stderr, (args, out.stderr)
+        assert "ms/step" not in out.stdout  # nothing ran
+
+
+def test_cifar10_missing_files_are_named(tmp_path):
+    out = _run("train", "--data", f"cifar10:{tmp_path}", "--no-progress",
+               "--out", str(tmp_path / "o"))  # fmt: skip
+    assert out.returncode == 2 and "expected CIFAR-10's python files" in out.stderr
+
+
+def test_policy_command():
     out = _run("policy", "--device", "cpu", "--policy", "fp32=softmax", "--op", "softmax", "mm")
     assert out.returncode == 0
     assert "softmax: fp32 -> float32 (moved to fp32 by Policy.move)" in out.stdout
-    assert "mm: lower -> bfloat16" in out.stdout
-
-
-def test_policy_errors_are_clear():
-    out = _run("policy", "--device", "gpu")
-    assert out.returncode == 2 and "unknown device type 'gpu'" in out.stderr
-    out = _run("policy", "--op", "sofmax")
-    assert out.returncode == 2 and "Did you mean" in out.stderr
-    assert "Traceback" not in out.stderr

@@ -1,15 +1,16 @@
-"""The ``mixprec`` command line.
+"""The ``mixprec`` command line: ``bench``, ``train`` and ``policy``.
 
-This release has one working command, ``mixprec policy``, which prints the precision each op
-runs in under a policy (and why); ``mixprec bench`` and ``mixprec train`` follow in later
-releases. ``mixprec --version`` prints the versions that matter for reproducing a result.
+The commands are thin: they parse and validate arguments (every output path is checked before
+any work starts), then call `mixprec.bench`'s runner, trainer and report functions.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from mixprec._version import __version__
 
@@ -17,59 +18,286 @@ __all__ = ["main"]
 
 _EPILOG = """\
 examples:
-  mixprec policy --device cuda                    # the CUDA table, grouped by category
-  mixprec policy --device cpu --op softmax mm     # one line per op, with the reason
-  mixprec policy --policy 'fp32=softmax' --device cuda --op softmax
+  mixprec bench                          # every workload at CPU sizes (or the seeds' on a GPU)
+  mixprec bench mlp --full --json r.json --plot r.png
+  mixprec train                          # fp32 vs O1 vs O2 on scikit-learn's digits
+  mixprec train --data cifar10:~/data/cifar-10-batches-py --model resnet50 --epochs 30
+  mixprec policy --device cuda --op softmax layer_norm
 """
 
 
+class CliError(Exception):
+    """A user error: printed without a traceback, exit status 2."""
+
+
 def _parser() -> argparse.ArgumentParser:
+    from mixprec.bench.train import MODELS, MODES
+    from mixprec.bench.variants import VARIANTS
+    from mixprec.bench.workloads import WORKLOADS
+
     parser = argparse.ArgumentParser(
         prog="mixprec",
-        description="mixprec: automatic mixed-precision training for PyTorch. Runs matmuls "
-        "and convolutions in bf16/fp16 and precision-sensitive ops in fp32, with an op policy "
-        "you can read and edit.",
+        description="mixprec: automatic mixed-precision training for PyTorch. Runs matmuls and "
+        "convolutions in bf16/fp16 and precision-sensitive ops in fp32, with an op policy you "
+        "can read and edit, a loss scaler that never waits for the GPU, and opt levels O0-O3.",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "--version", action="store_true", help="print mixprec, torch and Python versions"
-    )
+    parser.add_argument("--version", action="store_true",
+                        help="print the mixprec, torch and Python versions")  # fmt: skip
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    bench = sub.add_parser(
+        "bench",
+        help="time fp32, torch.amp and mixprec's levels side by side on the classic workloads",
+        description="Time one training step of each workload under each variant, side by side "
+        "in one run: ms/step (median after warm-up), speed-up over fp32 and torch.amp, peak GPU "
+        "memory, final loss and the share of the device's matmul peak. Without --full on a CPU "
+        "the workloads shrink so that the whole run takes about a minute; on a GPU they run at "
+        "the seeds' sizes. Variants that cannot run here are listed with the reason.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="workloads:\n" + "\n".join(
+            f"  {w.name:9s} {w.title}\n"
+            f"            CPU:        {w.small.description}, {w.small.warmup}+{w.small.steps} steps\n"
+            f"            GPU/--full: {w.full.description}, {w.full.warmup}+{w.full.steps} steps"
+            for w in WORKLOADS.values()
+        ) + "\nvariants:\n" + "\n".join(f"  {v.name:10s} {v.title}" for v in VARIANTS.values()),
+    )  # fmt: skip
+    bench.add_argument("benchmark", nargs="?", default="all",
+                       help=f"{' | '.join(WORKLOADS)} | all (default: all)")  # fmt: skip
+    bench.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
+    bench.add_argument("--dtype", default="auto",
+                       help="auto | bf16 | fp16 (default: fp16 on CUDA, bf16 on CPU)")  # fmt: skip
+    bench.add_argument("--variants", default=",".join(VARIANTS),
+                       help="comma-separated, from: " + ", ".join(VARIANTS))  # fmt: skip
+    bench.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="timed steps per variant (default: the workload's, 5-20)",
+    )
+    bench.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="untimed warm-up steps first (default: the workload's)",
+    )
+    bench.add_argument("--full", action="store_true",
+                       help="the seeds' exact sizes even on a CPU (slow there)")  # fmt: skip
+    bench.add_argument("--json", metavar="PATH", help="write the rows as JSON records")
+    bench.add_argument("--plot", metavar="PATH", help="write a PNG bar chart (needs matplotlib)")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    train = sub.add_parser(
+        "train",
+        help="train an image classifier in fp32 and AMP modes; plot and compare accuracy",
+        description="Train the same model from the same seed in each mode, evaluate the test "
+        "set after every epoch, and write one PNG (loss and accuracy against steps and against "
+        "wall time) and a JSON file to --out. The summary puts each mode's final accuracy next "
+        "to fp32's seed-to-seed spread (use --seeds 3 or more for a spread).",
+    )
+    train.add_argument("--data", default="digits",
+                       help="digits (default; bundled with scikit-learn) | synthetic | "
+                       "cifar10:PATH (CIFAR-10's python batches in PATH)")  # fmt: skip
+    train.add_argument("--model", default="cnn", help=f"{' | '.join(MODELS)} (default: cnn)")
+    train.add_argument(
+        "--modes",
+        default="fp32,O1,O2",
+        help=f"comma-separated, from: {', '.join(MODES)} (default: fp32,O1,O2)",
+    )
+    train.add_argument(
+        "--epochs", type=int, default=10, help="passes over the training set (default: 10)"
+    )
+    train.add_argument("--batch-size", type=int, default=64, help="default: 64")
+    train.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
+    train.add_argument(
+        "--dtype", default="auto", help="auto | bf16 | fp16 (default: fp16 on CUDA, bf16 on CPU)"
+    )
+    train.add_argument("--seed", type=int, default=0, help="first seed (default: 0)")
+    train.add_argument("--seeds", type=int, default=1, help="how many seeds per mode (default: 1)")
+    train.add_argument(
+        "--out", default="mixprec-train", help="output folder, created (default: mixprec-train)"
+    )
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+
     pol = sub.add_parser(
         "policy",
         help="show which precision each op runs in, and why",
         description="Print the op policy for a device type: every listed op by category, or "
         "the decision and its reason for the ops named with --op.",
     )
-    pol.add_argument(
-        "--device", default="cpu", help="device type: cuda, cpu, xpu or mps (default: cpu)"
-    )
-    pol.add_argument(
-        "--dtype", default=None, help="low dtype: bf16 or fp16 (default: the device's default)"
-    )
-    pol.add_argument(
-        "--policy",
-        default="",
-        help="policy string, e.g. 'compute=bf16,fp32=softmax+layer_norm' (default: torch's lists)",
-    )
-    pol.add_argument("--op", nargs="+", metavar="OP", help="ops to explain (default: all listed)")
+    pol.add_argument("--device", default="cpu", help="cuda, cpu, xpu or mps (default: cpu)")
+    pol.add_argument("--dtype", default=None, help="bf16 or fp16 (default: the device's)")
+    pol.add_argument("--policy", default="",
+                     help="policy string, e.g. 'compute=bf16,fp32=softmax+layer_norm'")  # fmt: skip
+    pol.add_argument("--op", nargs="+", metavar="OP", help="ops to explain (default: all)")
     return parser
 
 
-def _versions() -> str:
-    import platform
+# ------------------------------------------------------------------------------- helpers
 
+
+def _device(name: str) -> str:
     import torch
 
-    return (
-        f"mixprec {__version__}\ntorch {torch.__version__} "
-        f"(CUDA {'available' if torch.cuda.is_available() else 'not available'})\n"
-        f"Python {platform.python_version()}"
-    )
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name not in ("cpu", "cuda"):
+        raise CliError(f"unknown --device {name!r}. Valid: 'auto', 'cpu' or 'cuda'.")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise CliError(
+            "--device cuda was requested, but CUDA is not available (this torch build has no "
+            "CUDA, or no GPU is visible). Use --device cpu, or auto."
+        )
+    return name
 
 
-def _policy_command(args: argparse.Namespace) -> int:
+def _dtype(name: str, device: str) -> Any:
+    import torch
+
+    from mixprec.dtypes import parse_dtype
+
+    if name == "auto":
+        return torch.float16 if device == "cuda" else torch.bfloat16
+    if name not in ("bf16", "fp16", "bfloat16", "float16"):
+        raise CliError(f"unknown --dtype {name!r}. Valid: 'auto', 'bf16' or 'fp16'.")
+    return parse_dtype(name, low_only=True)
+
+
+def _choices(value: str, valid: Sequence[str], flag: str) -> list[str]:
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    bad = [n for n in names if n not in valid]
+    if bad or not names:
+        raise CliError(
+            f"unknown {flag} {', '.join(map(repr, bad)) or repr(value)}. "
+            f"Valid: {', '.join(valid)} (comma-separated)."
+        )
+    return names
+
+
+def _progress(total: int, enabled: bool, label: str) -> tuple[Callable[[str], None], Callable]:
+    """A progress bar (tqdm if installed, one line per item otherwise) and its closer."""
+    if not enabled:
+        return (lambda _msg: None), (lambda: None)
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        print(f"({label}: pip install 'mixprec[plots]' for a progress bar)", file=sys.stderr)
+        count = [0]
+
+        def text(msg: str) -> None:
+            count[0] += 1
+            print(f"[{count[0]}/{total}] {msg}", file=sys.stderr)
+
+        return text, (lambda: None)
+    bar = tqdm(total=total, desc=label, file=sys.stderr, leave=False)
+
+    def update(msg: str) -> None:
+        bar.set_postfix_str(msg)
+        bar.update(1)
+
+    return update, bar.close
+
+
+# ------------------------------------------------------------------------------- commands
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from mixprec.bench import report, runner
+    from mixprec.bench.variants import VARIANTS
+    from mixprec.bench.workloads import WORKLOADS
+
+    if args.benchmark != "all" and args.benchmark not in WORKLOADS:
+        raise CliError(
+            f"unknown benchmark {args.benchmark!r}. Valid: {', '.join(WORKLOADS)} or all."
+        )
+    workloads = list(WORKLOADS) if args.benchmark == "all" else [args.benchmark]
+    variants = _choices(args.variants, list(VARIANTS), "--variants")
+    device = _device(args.device)
+    dtype = _dtype(args.dtype, device)
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path:
+            report.check_writable(path, flag)
+    if args.plot:
+        report.require_matplotlib()
+    for flag, value in (("--steps", args.steps), ("--warmup", args.warmup)):
+        if value is not None and value < (1 if flag == "--steps" else 0):
+            raise CliError(f"{flag} must be {'>= 1' if flag == '--steps' else '>= 0'}.")
+    tick, close = _progress(len(workloads) * len(variants), not args.no_progress, "bench")
+    try:
+        rows = runner.run(workloads, variants, device=device, dtype=dtype, full=args.full,
+                          steps=args.steps, warmup=args.warmup, progress=tick)  # fmt: skip
+    finally:
+        close()
+    meta = report.metadata(device)
+    print(report.render_table(rows, meta))
+    if args.json:
+        report.write_json(args.json, rows, meta)
+        print(f"\nwrote {args.json}")
+    if args.plot:
+        report.write_plot(args.plot, rows, meta)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    import json
+
+    from mixprec.bench import data as datasets
+    from mixprec.bench import report, train
+    from mixprec.dtypes import dtype_name
+
+    modes = _choices(args.modes, list(train.MODES), "--modes")
+    if args.model not in train.MODELS:
+        raise CliError(f"unknown --model {args.model!r}. Valid: {', '.join(train.MODELS)}.")
+    device = _device(args.device)
+    dtype = _dtype(args.dtype, device)
+    for flag, value in (("--epochs", args.epochs), ("--batch-size", args.batch_size),
+                        ("--seeds", args.seeds)):  # fmt: skip
+        if value < 1:
+            raise CliError(f"{flag} must be >= 1, got {value}.")
+    try:
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as err:
+        raise CliError(f"--out {args.out!r} cannot be created: {err.strerror}.") from err
+    png, out_json = os.path.join(args.out, "train.png"), os.path.join(args.out, "train.json")
+    for path in (png, out_json):
+        report.check_writable(path, "--out")
+    report.require_matplotlib()
+    data = datasets.load(args.data)
+    seeds = list(range(args.seed, args.seed + args.seeds))
+    print(f"{data.describe()}; model {args.model}; {device} {dtype_name(dtype)}; modes "
+          f"{', '.join(modes)}; {args.epochs} epochs; seeds {seeds}")  # fmt: skip
+    tick, close = _progress(len(modes) * len(seeds) * args.epochs, not args.no_progress, "train")
+    try:
+        records = train.train(data, model=args.model, modes=modes, epochs=args.epochs,
+                              batch_size=args.batch_size, device=device, dtype=dtype,
+                              seeds=seeds, tick=lambda: tick(""))  # fmt: skip
+    finally:
+        close()
+    summary = train.summarize(records)
+    meta = report.metadata(device)
+    print(f"\n  {'mode':10s} {'test accuracy':>22s} {'train time':>11s} {'x fp32':>7s}  vs fp32")
+    for r in summary:
+        acc = f"{100 * r['accuracy_mean']:.2f}% +- {100 * r['accuracy_std']:.2f}"
+        speed = "-" if r["speedup_vs_fp32"] is None else f"{r['speedup_vs_fp32']:.2f}x"
+        verdict = ("-" if r["within_noise_of_fp32"] is None else
+                   "within noise" if r["within_noise_of_fp32"] else "OUTSIDE noise")  # fmt: skip
+        print(f"  {r['mode']:10s} {acc:>22s} {r['train_time_s']:10.1f}s {speed:>7s}  {verdict}")
+    if len(seeds) == 1:
+        print("  (one seed: the noise band is a floor of 0.5 points; use --seeds 3 for a spread)")
+    title = (f"mixprec train: {data.name}, {args.model}, {device} {dtype_name(dtype)}, "
+             f"{len(seeds)} seed(s), torch {meta['torch']}")  # fmt: skip
+    train.plot(png, records, title)
+    with open(out_json, "w") as fh:
+        json.dump({"meta": {**meta, "data": data.describe(), "model": args.model,
+                            "dtype": dtype_name(dtype), "seeds": seeds},
+                   "summary": summary, "records": records}, fh, indent=1)  # fmt: skip
+    print(f"\nwrote {png} and {out_json}")
+    return 0
+
+
+def _policy(args: argparse.Namespace) -> int:
     from mixprec.dtypes import dtype_name, resolve_dtype
     from mixprec.policy import OpCategory, Policy
 
@@ -92,23 +320,38 @@ def _policy_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _versions() -> str:
+    import platform
+
+    import torch
+
+    return (
+        f"mixprec {__version__}\ntorch {torch.__version__} "
+        f"(CUDA {'available' if torch.cuda.is_available() else 'not available'})\n"
+        f"Python {platform.python_version()}"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``mixprec`` console script."""
+    from mixprec.bench.data import DataError
+    from mixprec.bench.report import OutputError
+    from mixprec.errors import MixprecError
+
     parser = _parser()
     args = parser.parse_args(argv)
     if args.version:
         print(_versions())
         return 0
-    if args.command == "policy":
-        from mixprec.errors import MixprecError
-
-        try:
-            return _policy_command(args)
-        except MixprecError as err:
-            print(f"mixprec policy: error: {err}", file=sys.stderr)
-            return 2
-    parser.print_help()
-    return 0
+    commands = {"bench": _bench, "train": _train, "policy": _policy}
+    if args.command not in commands:
+        parser.print_help()
+        return 0
+    try:
+        return commands[args.command](args)
+    except (CliError, OutputError, DataError, MixprecError) as err:
+        print(f"mixprec {args.command}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

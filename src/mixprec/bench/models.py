@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPT", "GPTConfig", "seed_mlp"]
+__all__ = ["GPT", "GPTConfig", "ResNet50", "SmallCNN", "seed_mlp"]
 
 
 def seed_mlp(width: int = 4096, depth: int = 3) -> nn.Sequential:
@@ -101,3 +101,73 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
+
+
+class _Bottleneck(nn.Module):
+    expansion = 4
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1) -> None:
+        super().__init__()
+        width = planes
+        self.conv1 = nn.Conv2d(inplanes, width, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = nn.Conv2d(width, planes * self.expansion, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(planes * self.expansion)
+        self.down: nn.Module | None = None
+        if stride != 1 or inplanes != planes * self.expansion:
+            self.down = nn.Sequential(
+                nn.Conv2d(inplanes, planes * self.expansion, 1, stride=stride, bias=False),
+                nn.BatchNorm2d(planes * self.expansion),
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = F.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        return F.relu(out + (x if self.down is None else self.down(x)))
+
+
+class ResNet50(nn.Module):
+    """ResNet-50 in torchvision's layout (7x7 stem, max-pool, bottlenecks [3, 4, 6, 3])."""
+
+    def __init__(self, num_classes: int = 10, width: int = 64, in_channels: int = 3) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(in_channels, width, 7, stride=2, padding=3, bias=False),
+            nn.BatchNorm2d(width), nn.ReLU(), nn.MaxPool2d(3, stride=2, padding=1),
+        )  # fmt: skip
+        layers: list[nn.Module] = []
+        inplanes = width
+        for i, blocks in enumerate((3, 4, 6, 3)):
+            planes = width * 2**i
+            for b in range(blocks):
+                layers.append(_Bottleneck(inplanes, planes, stride=2 if (b == 0 and i > 0) else 1))
+                inplanes = planes * _Bottleneck.expansion
+        self.layers = nn.Sequential(*layers)
+        self.fc = nn.Linear(inplanes, num_classes)
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layers(self.stem(x))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+class SmallCNN(nn.Module):
+    """A small convolutional classifier for 8x8 (digits) up to 32x32 (CIFAR) images."""
+
+    def __init__(self, num_classes: int = 10, in_channels: int = 1, width: int = 32) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(in_channels, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(),
+            nn.Conv2d(width, 2 * width, 3, padding=1), nn.BatchNorm2d(2 * width), nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(2 * width, 4 * width, 3, padding=1), nn.BatchNorm2d(4 * width), nn.ReLU(),
+        )  # fmt: skip
+        self.head = nn.Linear(4 * width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.flatten(F.adaptive_avg_pool2d(self.features(x), 1), 1))

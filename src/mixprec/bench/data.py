@@ -1,0 +1,129 @@
+"""Image-classification data for ``mixprec train``, all local: nothing is downloaded.
+
+- ``digits`` (default): the 1,797 8x8 handwritten digits that ship inside scikit-learn
+  (``sklearn.datasets.load_digits``); 1,437 for training, 360 for testing (a fixed split).
+- ``cifar10:PATH``: CIFAR-10 from a local folder in its standard python-pickle format
+  (``data_batch_1`` ... ``data_batch_5`` and ``test_batch``).
+- ``synthetic``: 10 classes of 3x32x32 images drawn around class-specific patterns; no files.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from dataclasses import dataclass
+
+import torch
+
+from mixprec.errors import MixprecError
+
+__all__ = ["DATASETS", "DataError", "Dataset", "load"]
+
+#: The forms ``--data`` accepts.
+DATASETS = ("digits", "synthetic", "cifar10:PATH")
+
+
+class DataError(MixprecError, ValueError):
+    """A data set that cannot be loaded (the message says what is missing)."""
+
+
+@dataclass
+class Dataset:
+    """Normalized images (N, C, H, W) and integer labels, split into train and test."""
+
+    name: str
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+    num_classes: int
+
+    @property
+    def in_channels(self) -> int:
+        return self.train_x.shape[1]
+
+    def describe(self) -> str:
+        c, h, w = self.train_x.shape[1:]
+        return (f"{self.name}: {len(self.train_x)} train / {len(self.test_x)} test images, "
+                f"{c}x{h}x{w}, {self.num_classes} classes")  # fmt: skip
+
+
+def _normalize(train: torch.Tensor, test: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    mean = train.mean(dim=(0, 2, 3), keepdim=True)
+    std = train.std(dim=(0, 2, 3), keepdim=True).clamp_min(1e-6)
+    return (train - mean) / std, (test - mean) / std
+
+
+def _digits() -> Dataset:
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as err:
+        raise DataError(
+            "the default data set (digits) ships with scikit-learn: pip install 'mixprec[data]' "
+            "(or pip install scikit-learn), or use --data synthetic."
+        ) from err
+    digits = load_digits()
+    x = torch.tensor(digits.data, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
+    y = torch.tensor(digits.target, dtype=torch.long)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    x, y = x[order], y[order]
+    cut = 1437
+    train_x, test_x = _normalize(x[:cut], x[cut:])
+    return Dataset("digits", train_x, y[:cut], test_x, y[cut:], 10)
+
+
+def _synthetic() -> Dataset:
+    g = torch.Generator().manual_seed(0)
+    patterns = torch.randn(10, 3, 32, 32, generator=g)
+
+    def draw(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        y = torch.randint(0, 10, (n,), generator=g)
+        return patterns[y] + 1.5 * torch.randn(n, 3, 32, 32, generator=g), y
+
+    (tx, ty), (vx, vy) = draw(2048), draw(512)
+    tx, vx = _normalize(tx, vx)
+    return Dataset("synthetic", tx, ty, vx, vy, 10)
+
+
+def _cifar10(path: str) -> Dataset:
+    files = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+    if not os.path.isdir(path):
+        raise DataError(f"--data cifar10:{path}: {path!r} is not a folder.")
+    present = [f for f in files if os.path.exists(os.path.join(path, f))]
+    if "test_batch" not in present or not any(f.startswith("data_batch") for f in present):
+        raise DataError(
+            f"--data cifar10:{path}: expected CIFAR-10's python files (data_batch_1 ... "
+            f"data_batch_5, test_batch) in {path!r}; found {present or 'none'}."
+        )
+
+    def read(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        with open(os.path.join(path, name), "rb") as fh:
+            batch = pickle.load(fh, encoding="bytes")
+        try:
+            data, labels = batch[b"data"], batch[b"labels"]
+        except (KeyError, TypeError) as err:
+            raise DataError(f"{name} is not a CIFAR-10 batch (no b'data'/b'labels').") from err
+        # (the batches hold numpy arrays: unpickling them needs numpy, which scikit-learn has)
+        x = torch.as_tensor(data, dtype=torch.uint8)
+        return x.view(-1, 3, 32, 32).float() / 255.0, torch.as_tensor(labels, dtype=torch.long)
+
+    parts = [read(f) for f in present if f.startswith("data_batch")]
+    train_x = torch.cat([p[0] for p in parts])
+    train_y = torch.cat([p[1] for p in parts])
+    test_x, test_y = read("test_batch")
+    train_x, test_x = _normalize(train_x, test_x)
+    return Dataset("cifar10", train_x, train_y, test_x, test_y, 10)
+
+
+def load(spec: str) -> Dataset:
+    """Load ``digits``, ``synthetic`` or ``cifar10:PATH``."""
+    if spec == "digits":
+        return _digits()
+    if spec == "synthetic":
+        return _synthetic()
+    if spec.startswith("cifar10:"):
+        return _cifar10(spec.split(":", 1)[1])
+    raise DataError(
+        f"unknown data set {spec!r}. Valid: 'digits' (scikit-learn's bundled digits, the "
+        f"default), 'synthetic', or 'cifar10:PATH' (a folder with CIFAR-10's python batches)."
+    )

@@ -1,0 +1,228 @@
+"""``mixprec train``: train an image classifier in fp32 and in AMP modes, side by side.
+
+Each mode trains the same model from the same seed on the same batches; the test set is
+evaluated after every epoch. Results: per mode and seed, the curves (train loss, test loss, test
+accuracy against steps and against wall time), and a summary that puts the final accuracies next
+to the seed-to-seed spread of fp32, which is what "AMP matches FP32 within noise" is measured
+against.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec
+from mixprec.bench.data import Dataset
+from mixprec.bench.models import ResNet50, SmallCNN
+
+__all__ = ["MODELS", "MODES", "summarize", "train"]
+
+MODES = ("fp32", "torch.amp", "O1", "O2", "O3")
+MODELS = ("cnn", "resnet50")
+
+
+def _model(name: str, data: Dataset) -> tuple[nn.Module, Callable[[nn.Module], Any]]:
+    if name == "cnn":
+
+        def adamw(m: nn.Module) -> Any:
+            return torch.optim.AdamW(m.parameters(), lr=2e-3, weight_decay=1e-4)
+
+        return SmallCNN(data.num_classes, data.in_channels), adamw
+
+    def sgd(m: nn.Module) -> Any:
+        return torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+
+    return ResNet50(data.num_classes, in_channels=data.in_channels), sgd
+
+
+@torch.no_grad()
+def _evaluate(model: nn.Module, data: Dataset, device: str, batch: int,
+              region: Callable[[], Any]) -> tuple[float, float]:  # fmt: skip
+    model.eval()
+    total, correct, loss_sum = 0, 0, 0.0
+    for i in range(0, len(data.test_x), batch):
+        x = data.test_x[i : i + batch].to(device)
+        y = data.test_y[i : i + batch].to(device)
+        with region():
+            logits = model(x).float()
+        loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
+        correct += (logits.argmax(-1) == y).sum().item()
+        total += len(y)
+    model.train()
+    return loss_sum / total, correct / total
+
+
+def _run(
+    mode: str,
+    seed: int,
+    data: Dataset,
+    model_name: str,
+    epochs: int,
+    batch: int,
+    device: str,
+    dtype: torch.dtype,
+    tick: Callable[[], None],
+) -> list[dict[str, Any]]:
+    torch.manual_seed(seed)
+    model, make_opt = _model(model_name, data)
+    model = model.to(device)
+    opt = make_opt(model)
+    null = _nullregion
+    if mode == "fp32":
+
+        def step(x, y):
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        region = null
+    elif mode == "torch.amp":
+        scaler = torch.amp.GradScaler(device, enabled=dtype == torch.float16)
+
+        def step(x, y):
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast(device, dtype=dtype):
+                loss = F.cross_entropy(model(x).float(), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            return loss
+
+        def region():
+            return torch.autocast(device, dtype=dtype)
+    else:
+        model, amp = mixprec.initialize(model, opt, mode, dtype=dtype)
+
+        def step(x, y):
+            amp.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(x).float(), y)
+            with mixprec.scale_loss(loss, amp) as scaled:
+                scaled.backward()
+            amp.step()
+            return loss
+
+        region = null  # the model's own hooks apply the level in eval too
+    g = torch.Generator().manual_seed(seed)
+    curve: list[dict[str, Any]] = []
+    steps, clock = 0, 0.0
+    for epoch in range(1, epochs + 1):
+        order = torch.randperm(len(data.train_x), generator=g)
+        losses = []
+        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        for i in range(0, len(order) - batch + 1, batch):
+            idx = order[i : i + batch]
+            loss = step(data.train_x[idx].to(device), data.train_y[idx].to(device))
+            losses.append(loss.detach())
+            steps += 1
+        sync()
+        clock += time.perf_counter() - t0
+        test_loss, test_acc = _evaluate(model, data, device, 256, region)
+        curve.append({
+            "mode": mode, "seed": seed, "epoch": epoch, "step": steps, "time_s": clock,
+            "train_loss": float(torch.stack(losses).float().mean()), "test_loss": test_loss,
+            "test_accuracy": test_acc,
+        })  # fmt: skip
+        tick()
+    return curve
+
+
+def _nullregion() -> Any:
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def train(
+    data: Dataset,
+    *,
+    model: str,
+    modes: Sequence[str],
+    epochs: int,
+    batch_size: int,
+    device: str,
+    dtype: torch.dtype,
+    seeds: Sequence[int],
+    tick: Callable[[], None] = lambda: None,
+) -> list[dict[str, Any]]:
+    """Train every (mode, seed); return the per-epoch records of all runs."""
+    records: list[dict[str, Any]] = []
+    for seed in seeds:
+        for mode in modes:
+            records += _run(mode, seed, data, model, epochs, batch_size, device, dtype, tick)
+    return records
+
+
+def summarize(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per mode: final accuracy over seeds (mean, std, min, max), time, and the verdict vs fp32."""
+    modes = list(dict.fromkeys(r["mode"] for r in records))
+    last: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    final_epoch = max(r["epoch"] for r in records)
+    for r in records:
+        if r["epoch"] == final_epoch:
+            last[r["mode"]].append(r)
+    rows = []
+    for m in modes:
+        accs = [r["test_accuracy"] for r in last[m]]
+        rows.append({
+            "mode": m, "seeds": len(accs), "accuracy_mean": statistics.fmean(accs),
+            "accuracy_std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
+            "accuracy_min": min(accs), "accuracy_max": max(accs),
+            "train_time_s": statistics.fmean(r["time_s"] for r in last[m]),
+        })  # fmt: skip
+    base = next((r for r in rows if r["mode"] == "fp32"), None)
+    for r in rows:
+        if base is None:
+            r["speedup_vs_fp32"] = r["within_noise_of_fp32"] = None
+            continue
+        r["speedup_vs_fp32"] = base["train_time_s"] / r["train_time_s"]
+        # "Within noise": inside the band fp32's own seeds span, widened by two of its stds.
+        spread = max(base["accuracy_max"] - base["accuracy_min"], 2 * base["accuracy_std"], 0.005)
+        r["within_noise_of_fp32"] = abs(r["accuracy_mean"] - base["accuracy_mean"]) <= spread
+    return rows
+
+
+def plot(path: str, records: Sequence[dict[str, Any]], title: str) -> None:
+    """One PNG: loss and accuracy against steps and against wall time, a line per mode."""
+    from mixprec.bench.report import require_matplotlib
+
+    plt = require_matplotlib()
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharey="row")
+    modes = list(dict.fromkeys(r["mode"] for r in records))
+    for mode in modes:
+        mine = [r for r in records if r["mode"] == mode]
+        epochs = sorted({r["epoch"] for r in mine})
+
+        def mean(key: str, e: int, mine: list[dict[str, Any]] = mine) -> float:
+            return statistics.fmean(r[key] for r in mine if r["epoch"] == e)
+
+        steps = [mean("step", e) for e in epochs]
+        times = [mean("time_s", e) for e in epochs]
+        for row, key in ((0, "train_loss"), (1, "test_accuracy")):
+            ys = [mean(key, e) for e in epochs]
+            lo = [min(r[key] for r in mine if r["epoch"] == e) for e in epochs]
+            hi = [max(r[key] for r in mine if r["epoch"] == e) for e in epochs]
+            for col, xs in ((0, steps), (1, times)):
+                (line,) = axes[row][col].plot(xs, ys, marker="o", ms=3, label=mode)
+                axes[row][col].fill_between(xs, lo, hi, alpha=0.15, color=line.get_color())
+    axes[0][0].set_ylabel("train loss")
+    axes[1][0].set_ylabel("test accuracy")
+    axes[1][0].set_xlabel("training steps")
+    axes[1][1].set_xlabel("training wall time (s)")
+    axes[0][0].legend()
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

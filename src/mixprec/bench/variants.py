@@ -1,0 +1,124 @@
+"""The ways of training a workload that the benchmark compares, and when each can run.
+
+A variant that cannot run where the benchmark runs is not dropped: `Variant.available` says why,
+and the row reports it (fp16 on a CPU, TF32 off NVIDIA GPUs, graph capture not in this release).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+import mixprec
+from mixprec.bench.workloads import Workload, WorkloadSize
+from mixprec.dtypes import dtype_name
+
+__all__ = ["VARIANTS", "Variant"]
+
+Step = Callable[[], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way to train: its name, what it is, and the dtype its matmuls run in."""
+
+    name: str
+    title: str
+    low_precision: bool  # matmuls in the low dtype (for the % of peak column)
+
+    def available(self, device: str, dtype: torch.dtype) -> tuple[bool, str]:
+        """Whether this variant can run on `device` with `dtype`, and if not, why."""
+        if self.name == "tf32" and device != "cuda":
+            return False, "TF32 is an NVIDIA tensor-core format; CPUs have no TF32 matmuls"
+        if self.name == "trainstep":
+            return False, "whole-step graph capture (TrainStep) is not in this release yet"
+        if self.low_precision and device == "cpu" and dtype == torch.float16:
+            return False, (
+                "fp16 matmuls have no fast kernels on most CPUs (about 100x slower than bf16); "
+                "use --dtype bf16"
+            )
+        return True, ""
+
+    def build(
+        self, workload: Workload, size: WorkloadSize, device: str, dtype: torch.dtype
+    ) -> tuple[Step, Callable[[], None]]:
+        """A function running one training step (returns the loss), and one to clean up."""
+        torch.manual_seed(0)
+        model, batch = workload.build(size.params, device)
+        optimizer = workload.optimizer(model, device)
+        inputs = batch[0]
+        if self.name in ("fp32", "tf32"):
+            ctx = _tf32 if self.name == "tf32" else contextlib.nullcontext
+
+            def step() -> torch.Tensor:
+                optimizer.zero_grad(set_to_none=True)
+                with ctx():
+                    loss = workload.loss(model(inputs), batch)
+                    loss.backward()
+                    optimizer.step()
+                return loss
+
+            return step, _noop
+        if self.name == "torch.amp":
+            scaler = torch.amp.GradScaler(device, enabled=dtype == torch.float16)
+
+            def step() -> torch.Tensor:
+                optimizer.zero_grad(set_to_none=True)
+                with torch.autocast(device, dtype=dtype):
+                    out = model(inputs)
+                loss = workload.loss(out, batch)
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+                return loss
+
+            return step, _noop
+        level = self.name
+        model, amp_opt = mixprec.initialize(model, optimizer, level, dtype=dtype)
+
+        def step() -> torch.Tensor:
+            amp_opt.zero_grad(set_to_none=True)
+            loss = workload.loss(model(inputs), batch)
+            with mixprec.scale_loss(loss, amp_opt) as scaled:
+                scaled.backward()
+            amp_opt.step()
+            return loss
+
+        return step, _noop
+
+    def matmul_dtype(self, dtype: torch.dtype) -> str:
+        """The dtype whose peak matmul rate this variant's % of peak is measured against."""
+        if self.name == "tf32":
+            return "tf32"
+        return dtype_name(dtype) if self.low_precision else "fp32"
+
+
+def _noop() -> None:
+    return None
+
+
+@contextlib.contextmanager
+def _tf32() -> Iterator[None]:
+    prev = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = prev
+
+
+VARIANTS: dict[str, Variant] = {
+    v.name: v
+    for v in (
+        Variant("fp32", "fp32, no autocast (the baseline)", False),
+        Variant("tf32", "fp32 weights, TF32 tensor-core matmuls", False),
+        Variant("torch.amp", "torch.autocast, plus torch.amp.GradScaler for fp16", True),
+        Variant("O1", "mixprec O1: autocast by op policy, fp32 weights", True),
+        Variant("O2", "mixprec O2: low-precision model, fp32 master weights", True),
+        Variant("O3", "mixprec O3: pure low precision", True),
+        Variant("trainstep", "mixprec TrainStep: the whole step as one captured graph", True),
+    )
+}

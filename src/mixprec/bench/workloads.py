@@ -1,0 +1,112 @@
+"""The benchmark workloads: the seeds' experiments, at the seeds' sizes (``full``) or CPU sizes.
+
+- ``mlp``: seed 002: 3 x Linear(4096) + ReLU, batch 512, SGD lr 1e-3, MSE (50 batches x 3 epochs).
+- ``resnet50``: seed 000: ResNet-50 (torchvision layout, 10 classes), 3 x 32 x 32 inputs,
+  batch 128, SGD momentum 0.9.
+- ``gpt2``: a GPT-2-small-like decoder, batch 8 x 1024 tokens, fused AdamW on CUDA.
+
+Without ``full``, on a CPU, every workload shrinks to a few seconds per variant while keeping its
+structure, so ``mixprec bench`` runs anywhere in under two minutes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mixprec.bench.models import GPT, GPTConfig, ResNet50, seed_mlp
+
+__all__ = ["WORKLOADS", "Workload", "WorkloadSize"]
+
+
+@dataclass(frozen=True)
+class WorkloadSize:
+    """The sizes of one run of a workload."""
+
+    description: str
+    steps: int
+    warmup: int
+    params: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model, its data, its loss and its optimizer, at CPU and full sizes."""
+
+    name: str
+    title: str
+    small: WorkloadSize
+    full: WorkloadSize
+    build: Callable[[dict[str, Any], str], tuple[nn.Module, tuple[torch.Tensor, ...]]]
+    loss: Callable[[Any, tuple[torch.Tensor, ...]], torch.Tensor]
+    optimizer: Callable[[nn.Module, str], torch.optim.Optimizer]
+
+    def size(self, full: bool, device: str) -> WorkloadSize:
+        """Full (the seed's) sizes when asked or on a GPU, CPU sizes otherwise."""
+        return self.full if (full or device == "cuda") else self.small
+
+
+def _mlp(p: dict[str, Any], device: str):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(p["batch"], p["width"], generator=g).to(device)
+    y = torch.randn(p["batch"], p["width"], generator=g).to(device)
+    return seed_mlp(p["width"]).to(device), (x, y)
+
+
+def _resnet(p: dict[str, Any], device: str):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(p["batch"], 3, p["image"], p["image"], generator=g).to(device)
+    y = torch.randint(0, 10, (p["batch"],), generator=g).to(device)
+    return ResNet50(num_classes=10).to(device), (x, y)
+
+
+def _gpt(p: dict[str, Any], device: str):
+    cfg = GPTConfig(**p["config"])
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, cfg.vocab_size, (p["batch"], cfg.block_size), generator=g)
+    return GPT(cfg).to(device), (tokens.to(device),)
+
+
+def _lm_loss(logits: torch.Tensor, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    tokens = batch[0]
+    return F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten())
+
+
+WORKLOADS: dict[str, Workload] = {
+    w.name: w
+    for w in (
+        Workload(
+            "mlp", "seed MLP (3 x Linear + ReLU, MSE, SGD)",
+            WorkloadSize("width 1024, batch 64", 20, 3, {"width": 1024, "batch": 64}),
+            WorkloadSize("width 4096, batch 512 (seed 002)", 150, 10,
+                         {"width": 4096, "batch": 512}),
+            _mlp,
+            lambda out, b: F.mse_loss(out.float(), b[1]),
+            lambda m, dev: torch.optim.SGD(m.parameters(), lr=1e-3),
+        ),
+        Workload(
+            "resnet50", "ResNet-50 on CIFAR-sized images (SGD, momentum 0.9)",
+            WorkloadSize("32x32, batch 8", 6, 2, {"batch": 8, "image": 32}),
+            WorkloadSize("32x32, batch 128 (seed 000)", 50, 5, {"batch": 128, "image": 32}),
+            _resnet,
+            lambda out, b: F.cross_entropy(out.float(), b[1]),
+            lambda m, dev: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
+        ),
+        Workload(
+            "gpt2", "GPT-2-small-like decoder (AdamW)",
+            WorkloadSize("2 layers, d 128, T 128, batch 4", 10, 2,
+                         {"batch": 4, "config": {"vocab_size": 1024, "block_size": 128,
+                                                 "n_layer": 2, "n_head": 4, "n_embd": 128}}),
+            WorkloadSize("12 layers, d 768, T 1024, batch 8 (GPT-2 small)", 30, 5,
+                         {"batch": 8, "config": {}}),
+            _gpt,
+            _lm_loss,
+            lambda m, dev: torch.optim.AdamW(m.parameters(), lr=3e-4, fused=dev == "cuda"),
+        ),
+    )
+}  # fmt: skip
