@@ -58,8 +58,10 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="workloads:\n" + "\n".join(
             f"  {w.name:9s} {w.title}\n"
-            f"            CPU:        {w.small.description}, {w.small.warmup}+{w.small.steps} steps\n"
-            f"            GPU/--full: {w.full.description}, {w.full.warmup}+{w.full.steps} steps"
+            f"            CPU:        {w.small.description}, "
+            f"{w.small.warmup}+{w.small.steps} steps\n"
+            f"            GPU/--full: {w.full.description}, "
+            f"{w.full.warmup}+{w.full.steps} steps"
             for w in WORKLOADS.values()
         ) + "\nvariants:\n" + "\n".join(f"  {v.name:10s} {v.title}" for v in VARIANTS.values()),
     )  # fmt: skip
