@@ -74,6 +74,32 @@ def test_trajectory_and_params_equal_torch(name):
     assert all(torch.equal(a, b) for a, b in zip(got[1], ref[1], strict=True))
 
 
+@pytest.mark.parametrize("name", ["adamw-fused", "adam-fused", "sgd-fused", "adam"])
+def test_every_gradient_overflowing_skips_like_torch(name):
+    # An inf in the input makes every gradient non-finite: found_inf counts several tensors,
+    # which fused kernels must still read as "skip" (they compare it with 1.0).
+    def run(scaler):
+        model = _model()
+        opt = OPTIMIZERS[name](model.parameters())
+        for i, (x, y) in enumerate(_batches(8)):
+            if i in (2, 3):
+                x = x.clone()
+                x[0, 0] = INF
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(F.mse_loss(model(x), y)).backward()
+            scaler.step(opt)
+            scaler.update()
+        return model, opt
+
+    ours, ours_opt = run(mixprec.GradScaler("cpu", init_scale=256.0))
+    theirs, theirs_opt = run(torch.amp.GradScaler("cpu", init_scale=256.0))
+    for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
+    for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
+        for key, value in ours_opt.state[p].items():
+            assert torch.equal(value, theirs_opt.state[q][key]), key
+
+
 def test_default_arguments_match_torch_defaults():
     ours, theirs = mixprec.GradScaler("cpu"), torch.amp.GradScaler("cpu")
     assert ours.get_scale() == theirs.get_scale() == 2.0**16

@@ -8,7 +8,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["mark_constant_result"]
+import torch
+
+__all__ = ["capturing", "mark_constant_result"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -22,3 +24,8 @@ def mark_constant_result(fn: F) -> F:
     """``torch.compiler.assume_constant_result`` without importing the compiler stack."""
     setattr(fn, _DYNAMO_CONSTANT_ATTR, True)
     return fn
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is recording a graph (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

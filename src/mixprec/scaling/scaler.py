@@ -29,6 +29,7 @@ from typing import Any, overload
 
 import torch
 
+from mixprec._compat import capturing
 from mixprec.errors import MixprecError, PolicyError, format_options
 from mixprec.scaling import checkpoint
 from mixprec.scaling.skip import SkipMode, StepGuard, choose_mode
@@ -182,7 +183,8 @@ class GradScaler:
         self._process_group = process_group
         self._on_skip = on_skip
         self._check_every = check_every
-        self._reported_steps = 0
+        self._reported_steps = 0  # updates already reported to on_skip (device count)
+        self._unchecked = 0  # updates since the last on_skip check (host count, no sync)
         self._losses: list[_Loss] | None = None  # created on first use, on the data's device
         self._pending_load: list[dict[str, Any]] | None = None
         self._per_optimizer: dict[int, _PerOptimizer] = {}
@@ -493,8 +495,20 @@ class GradScaler:
             loss.replicas.clear()
         self._per_optimizer.clear()
         self._already_unscaled.clear()
-        if self._on_skip is not None:
+        self.note_update()
+
+    def note_update(self, count: int = 1) -> None:
+        """Count `count` updates on the host; every `check_every`, report skips to ``on_skip``.
+
+        ``update()`` calls it. A caller that replays a captured ``update()`` (``TrainStep``)
+        calls it once per replay. Syncs only when a check is due.
+        """
+        self._unchecked += count
+        if self._on_skip is not None and self._unchecked >= self._check_every:
+            if capturing():  # a check reads the device: not while a CUDA graph records
+                return
             self._maybe_report()
+            self._unchecked = 0
 
     def _agree_per_loss(self, like: torch.Tensor) -> None:
         # Each loss's overflows must be the same on every rank, or per-loss scales drift apart.
@@ -540,8 +554,6 @@ class GradScaler:
     def _maybe_report(self) -> None:
         assert self._losses is not None
         steps = int(self._losses[0].state.steps.item()) if self._losses else 0  # sync
-        if steps - self._reported_steps < self._check_every:
-            return
         for loss_id, loss in enumerate(self._losses):
             hist = loss.state.history.tolist()
             for step in range(max(self._reported_steps, steps - HISTORY), steps):

@@ -95,8 +95,10 @@ class StepGuard:
     ) -> Any:
         """Call `run` (which calls ``optimizer.step``) under this guard's skip mode."""
         if self.mode is SkipMode.FUSED:
+            # found_inf counts non-finite tensors; fused kernels skip only when it is exactly
+            # 1.0 (and subtract it from their step counters), so hand them a 0/1 flag.
             optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
-            optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+            optimizer.found_inf = (found_inf > 0).to(found_inf.dtype)  # type: ignore[attr-defined]
             try:
                 return run()
             finally:
