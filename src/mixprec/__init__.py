@@ -28,6 +28,7 @@ from mixprec.levels import (
 )
 from mixprec.policy import Decision, OpCategory, Policy
 from mixprec.scaling import GradScaler, ScaleConfig, ScalerStateError, update_scale
+from mixprec.step import TrainStep, TrainStepError
 
 __all__ = [
     "AmpOptimizer",
@@ -42,6 +43,8 @@ __all__ = [
     "PolicyError",
     "ScaleConfig",
     "ScalerStateError",
+    "TrainStep",
+    "TrainStepError",
     "__version__",
     "autocast",
     "custom_bwd",

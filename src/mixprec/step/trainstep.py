@@ -1,0 +1,460 @@
+"""`TrainStep`: one mixed-precision training step as one call, captured as a CUDA graph when it can.
+
+    step = mixprec.TrainStep(model, optimizer, torch.nn.functional.cross_entropy, opt_level="O1")
+    for x, y in loader:
+        loss = step(x, y)            # a device tensor; no host sync
+    print(step.captured, step.reason)
+
+A step is: zero the gradients, compute the loss (under the opt level: autocast for O1, a
+low-precision model for O2/O3), scale it, backward, unscale and check the gradients, optionally
+clip them, step the optimizer (skipped on the device on overflow), update the loss scale. On
+CUDA that whole sequence is recorded once per input signature and replayed (see
+`mixprec.step.graphs`); everywhere else, and whenever capture is impossible, the same code runs
+eagerly and `reason` says why. Captured and eager steps run the same kernels in the same order,
+so they produce the same numbers; there is no silent divergence to opt into.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.errors import MixprecError, PolicyError, format_options
+from mixprec.levels.initialize import initialize, master_params, scale_loss
+from mixprec.levels.model import amp_hooks
+from mixprec.levels.optimizer import AmpOptimizer
+from mixprec.scaling.scaler import GradScaler
+from mixprec.step import graphs
+from mixprec.step.graphs import Fingerprint, StepGraph
+
+__all__ = ["CAPTURE_MODES", "TrainStep"]
+
+#: Values of ``capture``: what each does.
+CAPTURE_MODES = {
+    "auto": "capture on CUDA when the step allows it, run eagerly otherwise (and say why)",
+    "cuda_graph": "capture on CUDA; raise an error if the step cannot be captured",
+    "eager": "never capture (the same step, run op by op)",
+}
+
+FORMAT = "mixprec.TrainStep/1"
+
+
+class TrainStepError(MixprecError, RuntimeError):
+    """A TrainStep was built or used in a way that cannot work (the message says how to fix it)."""
+
+
+class TrainStep:
+    """A whole mixed-precision training step; CUDA-graph captured where possible.
+
+    Args:
+        model: the model (fp32, on its device). It is prepared in place by
+            `mixprec.initialize` for `opt_level`, unless it was initialized already.
+        optimizer: a ``torch.optim.Optimizer`` over the model's parameters (or a factory
+            ``params -> optimizer``), or an `AmpOptimizer` from a previous ``initialize`` call.
+        loss_fn: ``loss_fn(model(*inputs), target)``: the last batch element is the target,
+            the others go to the model.
+        compute_loss: instead of `loss_fn`, ``compute_loss(model, *batch) -> loss`` for any other
+            step (several outputs, auxiliary losses, keyword inputs).
+        opt_level: ``'O0'``-``'O3'`` (``mixprec.describe(level)`` explains); ignored when
+            `optimizer` is already an `AmpOptimizer`.
+        dtype: the low dtype (default fp16 on CUDA, bf16 on the CPU).
+        scaler: a `mixprec.GradScaler` to use instead of the opt level's (for example to
+            scale bf16 losses, or to set hysteresis and bounds).
+        clip_grad_norm: clip the unscaled gradients (fp32 masters in O2) to this total norm
+            inside the step; None: no clipping.
+        capture: ``'auto'``, ``'cuda_graph'`` or ``'eager'`` (see `CAPTURE_MODES`).
+        compile: run the model through ``torch.compile`` (a dict is passed to it as keyword
+            arguments); the loss stays eager. Combines with capture.
+        warmup: eager steps per input signature before capturing it, counted while the
+            optimizer's hyperparameters stay unchanged (lazy initialisation, cuDNN autotuning
+            and compilation happen there).
+        max_graphs: captured graphs kept (one per input signature, least recently used out).
+        overrides: Apex's option names for ``initialize`` (``keep_batchnorm_fp32``,
+            ``loss_scale``, ``master_weights``, ``policy``, ...).
+
+    Attributes:
+        captured: whether the last call replayed a captured graph.
+        reason: why the last call ran the way it did.
+        notes: every automatic change made to the optimizer, with its reason.
+
+    Costs: a call does no host-device synchronisation. A capture synchronises once and holds
+    a private memory pool (activations and gradients) per cached input signature.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: Any,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        *,
+        compute_loss: Callable[..., torch.Tensor] | None = None,
+        opt_level: str = "O1",
+        dtype: str | torch.dtype | None = None,
+        scaler: GradScaler | None = None,
+        clip_grad_norm: float | None = None,
+        capture: str = "auto",
+        compile: bool | dict[str, Any] = False,
+        warmup: int = 2,
+        max_graphs: int = 8,
+        **overrides: Any,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise PolicyError(
+                f"TrainStep expects an nn.Module as model, got {type(model).__name__}."
+            )
+        if (loss_fn is None) == (compute_loss is None):
+            raise PolicyError(
+                "TrainStep needs exactly one of loss_fn (loss_fn(model(*inputs), target)) and "
+                "compute_loss (compute_loss(model, *batch) -> loss)."
+            )
+        if capture not in CAPTURE_MODES:
+            raise PolicyError(
+                f"unknown capture mode {capture!r}. Valid modes: {format_options(CAPTURE_MODES)}."
+            )
+        for name, value in (("warmup", warmup), ("max_graphs", max_graphs)):
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise PolicyError(f"TrainStep {name}={value!r} must be an int >= 1.")
+        if clip_grad_norm is not None and not (
+            isinstance(clip_grad_norm, (int, float)) and clip_grad_norm > 0
+        ):
+            raise PolicyError(
+                f"clip_grad_norm={clip_grad_norm!r} must be a positive number or None."
+            )
+        if scaler is not None and not isinstance(scaler, GradScaler):
+            raise PolicyError(
+                f"scaler must be a mixprec.GradScaler, got {type(scaler).__module__}."
+                f"{type(scaler).__name__}: torch.amp's scaler reads found-inf on the host every "
+                f"step, which a captured step cannot do. mixprec.GradScaler takes the same "
+                f"arguments."
+            )
+
+        device = _model_device(model)
+        if capture == "cuda_graph" and device.type != "cuda":  # before initialize changes it
+            raise TrainStepError(
+                f"capture='cuda_graph' cannot be honoured: CUDA graphs need a CUDA device and "
+                f"the model is on {device}. Use capture='auto' to fall back to eager steps, or "
+                f"move the model to a CUDA device."
+            )
+        if isinstance(optimizer, AmpOptimizer):
+            if amp_hooks(model) is None:
+                raise TrainStepError(
+                    "the optimizer comes from mixprec.initialize but the model was not "
+                    "initialized with it; pass the model that initialize returned."
+                )
+            if overrides or dtype is not None:
+                raise PolicyError(
+                    "dtype and opt-level overrides apply only when TrainStep initializes the "
+                    "model; this optimizer was initialized already (with its own settings)."
+                )
+        else:
+            model, optimizer = initialize(model, optimizer, opt_level, dtype=dtype, **overrides)
+        self.model: nn.Module = model
+        self.optimizer: AmpOptimizer = optimizer
+        self.options = optimizer.options
+        if scaler is not None:
+            optimizer._scaling.scaler = scaler
+        self._clip = None if clip_grad_norm is None else float(clip_grad_norm)
+        self._user_loss = _loss_from(loss_fn, compute_loss)
+        self._loss = self._build_loss(compile)
+        self._device = device
+        self._warmup = warmup
+        self._max_graphs = max_graphs
+        self._backend: graphs.Backend = graphs.CudaGraphs()
+        self._graphs: OrderedDict[Any, StepGraph] = OrderedDict()
+        self._warm: dict[Any, int] = {}
+        self._fingerprint: Fingerprint | None = None
+        self._last: StepGraph | None = None
+        self._side: Any = None
+        self.notes: list[str] = []
+        self.captured = False
+        self.calls = 0
+        self.captures = 0
+        self.capture_mode = capture
+        self._blocked = self._initial_blocker(capture)
+        self.reason = self._blocked or "not run yet"
+        if self._blocked is None:
+            self._prepare()
+
+    # ------------------------------------------------------------------ set-up
+
+    def _initial_blocker(self, capture: str) -> str | None:
+        if capture == "eager":
+            return "running eagerly: capture='eager' was requested"
+        if self._device.type != "cuda":
+            return (f"running eagerly: CUDA graphs need a CUDA device and the model is on "
+                    f"{self._device} (the same operations run one at a time)")  # fmt: skip
+        return None
+
+    def _build_loss(self, compile: bool | dict[str, Any]) -> Callable[..., torch.Tensor]:
+        opts = self.options
+        user = self._user_loss
+        model: Any = self.model
+        if compile:
+            # The model only: under torch.compile a torch function mode does not see the
+            # torch._C._nn functions behind F.cross_entropy, F.mse_loss and other losses
+            # (docs/policy.md, "torch.compile"), so the loss stays eager, where the policy
+            # puts it in fp32.
+            model = torch.compile(model, **(compile if isinstance(compile, dict) else {}))
+        if opts.patch_torch_functions:  # O1: the loss too runs under autocast, as in the loop
+            from mixprec.eager.autocast import autocast
+
+            def loss(*batch: Any) -> torch.Tensor:
+                with autocast(opts.device_type, dtype=opts.dtype, policy=opts.policy):
+                    return user(model, *batch)
+
+            return loss
+        return lambda *batch: user(model, *batch)
+
+    # ------------------------------------------------------------------ the step
+
+    def _body(self, *batch: Any) -> torch.Tensor:
+        opt = self.optimizer
+        opt.zero_grad(set_to_none=True)
+        loss = self._loss(*batch)
+        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
+            raise TrainStepError(
+                f"the loss must be a one-element tensor that requires grad; got "
+                f"{type(loss).__name__}"
+                + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+                + ". Reduce it (e.g. .mean()) in loss_fn or compute_loss."
+            )
+        with scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        if self._clip is not None:
+            torch.nn.utils.clip_grad_norm_(list(master_params(opt)), self._clip)
+        opt.step()
+        # The scale update belongs to this step (a captured graph must contain it), not to the
+        # start of the next, where initialize's deferred update would put it.
+        opt._scaling.flush()
+        return loss.detach()
+
+    def __call__(self, *batch: Any) -> torch.Tensor:
+        """Run one training step on `batch`; return the (unscaled) loss as a device tensor."""
+        self.calls += 1
+        if self._blocked is not None:
+            return self._eager(batch, self._blocked)
+        signature, why = graphs.batch_signature(batch, self._device)
+        if signature is None:
+            return self._eager(batch, "running eagerly: " + why)
+        current = self._current_fingerprint()
+        if self._fingerprint is not None and current != self._fingerprint:
+            # Changed between calls (an LR schedule, a loaded state dict, frozen layers): every
+            # graph baked the old values in.
+            what = self._fingerprint.diff(current)
+            self._drop_graphs()
+            return self._eager(batch, (
+                f"running eagerly: {what} changed since the last step, and a captured graph "
+                f"bakes these in; re-capturing after {self._warmup} steps without changes"
+            ), signature)  # fmt: skip
+        entry = self._graphs.get(signature)
+        if entry is None:
+            seen = self._warm.get(signature, 0)
+            if seen < self._warmup:
+                return self._eager(batch, (
+                    f"warming up: eager step {seen + 1} of {self._warmup} for input "
+                    f"{graphs.describe_signature(signature)} before capture"
+                ), signature)  # fmt: skip
+            entry = self._capture(batch, signature)
+            if entry is None:
+                return self._eager(batch, self.reason)
+            self.captured = True
+            self.reason = (f"captured a CUDA graph for input {graphs.describe_signature(signature)}"
+                           f" and ran it")  # fmt: skip
+            if self._backend.executes_on_capture:
+                return entry.loss.detach().clone()
+            # Recording ran the step's Python (the scaler counted its update) but no kernels.
+            return entry.replay(self._backend, restore_grads=False)
+        else:
+            self._graphs.move_to_end(signature)
+            entry.load(batch)
+        loss = entry.replay(self._backend, restore_grads=self._last is not entry)
+        self._last = entry
+        self.captured = True
+        self.reason = (
+            f"replaying the CUDA graph captured for input {graphs.describe_signature(signature)}"
+        )
+        self._note_replayed_update()
+        return loss
+
+    def _note_replayed_update(self) -> None:
+        scaler = self.optimizer.scaler
+        if scaler is not None:
+            scaler.note_update()  # count the replayed scale update, for on_skip reporting
+
+    def _current_fingerprint(self) -> Fingerprint:
+        return graphs.fingerprint(self.optimizer.optimizer, self.model, self.optimizer.scaler)
+
+    def _eager(self, batch: tuple[Any, ...], reason: str, signature: Any = None) -> torch.Tensor:
+        self.captured = False
+        self.reason = reason
+        self._last = None
+        if signature is None or self._device.type != "cuda":
+            loss = self._body(*batch)
+        else:
+            # Warm-up on a side stream, as PyTorch's whole-network capture recipe asks: the
+            # capture that follows then starts from a clean stream state.
+            if self._side is None:
+                self._side = torch.cuda.Stream(self._device)
+            main = torch.cuda.current_stream(self._device)
+            self._side.wait_stream(main)
+            with torch.cuda.stream(self._side):
+                loss = self._body(*batch)
+            main.wait_stream(self._side)
+        if signature is not None:
+            self._warm[signature] = self._warm.get(signature, 0) + 1
+            # The first steps create optimizer and scaler state: compare later calls with the
+            # state as this step left it.
+            self._fingerprint = self._current_fingerprint()
+        return loss
+
+    def _capture(self, batch: tuple[Any, ...], signature: Any) -> StepGraph | None:
+        blocker = graphs.capture_blocker(self.optimizer.optimizer, self._device)
+        if blocker is not None:
+            self._block(blocker)
+            return None
+        params = list(self.model.parameters()) + list(master_params(self.optimizer))
+        try:
+            entry = StepGraph.record(self._backend, self._body, batch, signature, params)
+        except Exception as err:  # any capture failure means: run eagerly
+            self._reset_after_failed_capture()
+            self._block(f"capture failed ({type(err).__name__}: {err})".replace("\n", " "))
+            return None
+        self.captures += 1
+        self._graphs[signature] = entry
+        while len(self._graphs) > self._max_graphs:
+            self._graphs.popitem(last=False)
+        self._last = entry
+        return entry
+
+    def _block(self, why: str) -> None:
+        message = (
+            f"running eagerly: {why}. The step computes the same numbers eagerly; only the "
+            f"launch overhead remains"
+        )
+        if self.capture_mode == "cuda_graph":
+            raise TrainStepError(message.replace("running eagerly: ", "cannot capture: "))
+        self._blocked = message
+        self.reason = message
+        self._drop_graphs()
+
+    def _reset_after_failed_capture(self) -> None:
+        # A failed recording ran the step's Python but none of its kernels: forget the
+        # half-finished iteration (gradients, the scaler's stage machine) before the eager step.
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer._scaling.pending = False
+        self.optimizer._scaling.flush()
+        scaler = self.optimizer.scaler
+        if scaler is not None:
+            scaler._per_optimizer.clear()
+            scaler._already_unscaled.clear()
+            for loss in scaler._losses or ():
+                loss.found_inf = None
+                loss.replicas.clear()
+
+    def _drop_graphs(self) -> None:
+        self._graphs.clear()
+        self._warm.clear()
+        self._last = None
+
+    # ------------------------------------------------------------------ introspection
+
+    @property
+    def scaler(self) -> GradScaler | None:
+        """The loss scaler (None when the opt level does not scale)."""
+        return self.optimizer.scaler
+
+    def explain(self) -> str:
+        """How this step runs: opt level, capture state and reason, automatic changes."""
+        lines = [
+            f"TrainStep: {self.options.level.value}, {str(self.options.dtype).split('.')[-1]} on "
+            f"{self._device}, capture={self.capture_mode!r}",
+            f"  calls: {self.calls}, captures: {self.captures}, cached graphs: "
+            f"{len(self._graphs)} of {self._max_graphs}",
+            f"  last call: {'captured' if self.captured else 'eager'}: {self.reason}",
+        ]
+        lines += [f"  changed: {note}" for note in self.notes]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (f"TrainStep({self.options.level.value}, {type(self.model).__name__}, "
+                f"captured={self.captured})")  # fmt: skip
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model, optimizer (masters, scaler included). Synchronises with the device."""
+        return {
+            "format": FORMAT,
+            "model": self.model.state_dict(),
+            "optimizer": _host_lr(self.optimizer.state_dict()),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load what ``state_dict`` wrote. Checked before anything changes; graphs re-captured."""
+        if not isinstance(state_dict, dict) or state_dict.get("format") != FORMAT:
+            raise TrainStepError(
+                f"not a TrainStep state dict (expected format {FORMAT!r}); load the model's and "
+                f"optimizer's own state dicts into step.model and step.optimizer instead."
+            )
+        own = self.model.state_dict()
+        theirs = state_dict.get("model")
+        if (
+            not isinstance(theirs, dict)
+            or set(theirs) != set(own)
+            or any(
+                not isinstance(theirs[k], torch.Tensor) or theirs[k].shape != own[k].shape
+                for k in own
+            )
+        ):
+            raise TrainStepError(
+                "the state dict's model entries do not match this model (names or shapes "
+                "differ); nothing was loaded."
+            )
+        self.optimizer.load_state_dict(state_dict.get("optimizer"))  # validates, then commits
+        self.model.load_state_dict(theirs)
+        self._drop_graphs()
+        self._fingerprint = None
+        if self._blocked is None:
+            self._prepare()
+
+    def _prepare(self) -> None:
+        for note in graphs.prepare(self.optimizer.optimizer, self._device):
+            if note not in self.notes:
+                self.notes.append(note)
+
+
+def _loss_from(
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+    compute_loss: Callable[..., torch.Tensor] | None,
+) -> Callable[..., torch.Tensor]:
+    if compute_loss is not None:
+        return compute_loss
+
+    def default(model: nn.Module, *batch: Any) -> torch.Tensor:
+        if len(batch) < 2:
+            raise TrainStepError(
+                f"with loss_fn, a step takes the model's inputs then the target: step(x, y); got "
+                f"{len(batch)} argument(s). Use compute_loss=... for other batch layouts."
+            )
+        return loss_fn(model(*batch[:-1]), batch[-1])  # type: ignore[misc]
+
+    return default
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    raise PolicyError("TrainStep needs a model with parameters to train.")
+
+
+def _host_lr(state: dict[str, Any]) -> dict[str, Any]:
+    # A device lr (set for capture) is saved as a float, so the checkpoint loads anywhere.
+    groups = state.get("optimizer", {}).get("param_groups", [])
+    for group in groups:
+        if isinstance(group.get("lr"), torch.Tensor):
+            group["lr"] = float(group["lr"])
+    return state
