@@ -29,7 +29,7 @@ def _run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
 def test_help_texts():
     out = _run("--help")
     assert out.returncode == 0
-    for word in ("bench", "train", "policy", "examples:", "mixed-precision"):
+    for word in ("bench", "train", "policy", "explain", "examples:", "mixed-precision"):
         assert word in out.stdout
     bench = _run("bench", "--help").stdout
     for word in ("--full", "--variants", "mlp", "resnet50", "gpt2", "torch.amp", "O2",
@@ -116,6 +116,10 @@ def test_cifar10_loader_reads_the_python_pickle_format(tmp_path):
         (["train", "--data", "mnist"], "unknown data set 'mnist'. Valid: 'digits'"),
         (["train", "--epochs", "0"], "--epochs must be >= 1"),
         (["policy", "--device", "gpu", "--op", "mm"], "unknown device type 'gpu'"),
+        (["explain", "vgg"], "unknown model 'vgg'. Valid: mlp, resnet50, gpt2"),
+        (["explain", "mlp", "--batch", "0"], "--batch must be >= 1"),
+        (["explain", "mlp", "--dtype", "fp8"], "unknown --dtype 'fp8'"),
+        (["explain", "mlp", "--policy", "fp33=mm"], "fp33"),
     ],
 )
 def test_bad_names_list_the_valid_ones(args, message):
@@ -154,3 +158,17 @@ def test_policy_command():
     out = _run("policy", "--device", "cpu", "--policy", "fp32=softmax", "--op", "softmax", "mm")
     assert out.returncode == 0
     assert "softmax: fp32 -> float32 (moved to fp32 by Policy.move)" in out.stdout
+
+
+def test_explain_command_prints_the_table_and_writes_json(tmp_path):
+    path = tmp_path / "explain.json"
+    out = _run("explain", "gpt2", "--policy", "fp32=layer_norm", "--backward", "--json", str(path))
+    assert out.returncode == 0, out.stderr
+    for word in ("layer_norm", "moved to fp32 by Policy.move", "lower", "FLOPs in low precision"):
+        assert word in out.stdout, word
+    doc = json.loads(path.read_text())
+    assert doc["summary"]["dtype"] == "bf16" and doc["rows"]
+    assert doc["summary"]["low_precision_flop_share"]["backward"] is not None
+    assert "ping-pong" in _run("explain", "--help").stdout
+    bad = _run("explain", "mlp", "--json", str(tmp_path / "missing" / "x.json"))
+    assert bad.returncode == 2 and "does not exist" in bad.stderr

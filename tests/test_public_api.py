@@ -11,6 +11,8 @@ EXPECTED = [
     "AmpOptimizer", "AutocastError", "BannedOpError", "Decision", "GradScaler", "MixprecError",
     "OpCategory", "OptLevel", "Policy", "PolicyError", "ScaleConfig", "ScalerStateError",
     "TrainStep", "TrainStepError",
+    "ExplainReport", "NonFiniteEvent", "ScaleHistory", "UnderflowReport", "explain",
+    "grad_underflow", "scale_history", "watch_nonfinite",
     "__version__", "autocast", "custom_bwd", "custom_fwd", "default_dtype", "describe",
     "float_function", "get_autocast_dtype", "get_autocast_policy", "half_function", "initialize",
     "is_autocast_enabled", "master_params", "promote_function", "scale_loss", "update_scale",

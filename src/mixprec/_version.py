@@ -1,3 +1,3 @@
 """The single source of mixprec's version string."""
 
-__version__ = "0.5.0"
+__version__ = "0.6.0"

@@ -1,4 +1,4 @@
-"""The ``mixprec`` command line: ``bench``, ``train`` and ``policy``.
+"""The ``mixprec`` command line: ``bench``, ``train``, ``policy`` and ``explain``.
 
 The commands are thin: they parse and validate arguments (every output path is checked before
 any work starts), then call `mixprec.bench`'s runner, trainer and report functions.
@@ -23,6 +23,7 @@ examples:
   mixprec train                          # fp32 vs O1 vs O2 on scikit-learn's digits
   mixprec train --data cifar10:~/data/cifar-10-batches-py --model resnet50 --epochs 30
   mixprec policy --device cuda --op softmax layer_norm
+  mixprec explain resnet50 --dtype fp16  # which op ran in which precision, casts, ping-pong
 """
 
 
@@ -133,6 +134,33 @@ def _parser() -> argparse.ArgumentParser:
     pol.add_argument("--policy", default="",
                      help="policy string, e.g. 'compute=bf16,fp32=softmax+layer_norm'")  # fmt: skip
     pol.add_argument("--op", nargs="+", metavar="OP", help="ops to explain (default: all)")
+
+    exp = sub.add_parser(
+        "explain",
+        help="run one forward of a bench model and show what ran in which precision, and why",
+        description="Run one forward (and with --backward one backward) of a bench model under "
+        "mixprec.autocast and print every call: module, op, the policy rule and its reason, "
+        "dtypes in / computed in / out, the casts inserted; then where casts ping-pong between "
+        "fp32 and low precision and the share of matmul/convolution FLOPs in low precision. "
+        "Pass-through calls without casts are hidden unless --all.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="models: " + ", ".join(WORKLOADS) + " (the bench workloads, CPU sizes unless "
+        "--full or on a GPU)\nexample:\n  mixprec explain gpt2 --policy "
+        "'fp32=layer_norm' --json explain.json",
+    )
+    exp.add_argument("model", nargs="?", default="resnet50",
+                     help=f"one of {', '.join(WORKLOADS)} (default: resnet50)")  # fmt: skip
+    exp.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")
+    exp.add_argument("--dtype", default="auto",
+                     help="auto, bf16 or fp16 (default: fp16 on CUDA, bf16 on CPU)")  # fmt: skip
+    exp.add_argument("--policy", default="",
+                     help="policy string, e.g. 'fp32=layer_norm' (default: none)")  # fmt: skip
+    exp.add_argument("--batch", type=int, default=2,
+                     help="examples in the batch (default: 2; one forward is enough)")  # fmt: skip
+    exp.add_argument("--full", action="store_true", help="the seeds' model sizes on a CPU too")
+    exp.add_argument("--backward", action="store_true", help="also count the backward's FLOPs")
+    exp.add_argument("--all", action="store_true", help="also list pass-through calls")
+    exp.add_argument("--json", metavar="PATH", help="write the whole report as JSON")
     return parser
 
 
@@ -322,6 +350,32 @@ def _policy(args: argparse.Namespace) -> int:
     return 0
 
 
+def _explain(args: argparse.Namespace) -> int:
+    from mixprec.bench import report
+    from mixprec.bench.workloads import WORKLOADS
+    from mixprec.diagnostics import explain
+
+    if args.model not in WORKLOADS:
+        raise CliError(f"unknown model {args.model!r}. Valid: {', '.join(WORKLOADS)}.")
+    if args.batch < 1:
+        raise CliError(f"--batch must be >= 1, got {args.batch}.")
+    device = _device(args.device)
+    dtype = _dtype(args.dtype, device)
+    if args.json:
+        report.check_writable(args.json, "--json")
+    workload = WORKLOADS[args.model]
+    model, batch = workload.build(workload.size(args.full, device).params, device)
+    result = explain(model, batch[0][: args.batch], device_type=device, dtype=dtype,
+                     policy=args.policy or None, backward=args.backward)  # fmt: skip
+    print(f"{workload.title}, batch {args.batch}")
+    print(result.format(all_calls=args.all))
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(result.to_json())
+        print(f"wrote {args.json}")
+    return 0
+
+
 def _versions() -> str:
     import platform
 
@@ -345,7 +399,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.version:
         print(_versions())
         return 0
-    commands = {"bench": _bench, "train": _train, "policy": _policy}
+    commands = {"bench": _bench, "train": _train, "policy": _policy, "explain": _explain}
     if args.command not in commands:
         parser.print_help()
         return 0
@@ -354,6 +408,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CliError, OutputError, DataError, MixprecError) as err:
         print(f"mixprec {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `mixprec explain | head`: the reader left early; not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

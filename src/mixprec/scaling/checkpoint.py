@@ -206,6 +206,9 @@ def load_state_dict(scaler: GradScaler, sd: dict[str, Any]) -> None:
     # Everything checked: commit.
     scaler._config = cfg
     scaler._init_scale = entries[0]["scale"]
+    # Host counters continue from the checkpoint: on_skip must not report its history again.
+    scaler._reported_steps = scaler._host_updates = entries[0]["steps"]
+    scaler._unchecked = 0
     if scaler._losses is None:
         scaler._pending_load = entries
         return

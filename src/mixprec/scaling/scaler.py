@@ -182,9 +182,11 @@ class GradScaler:
         self._unscale_impl = unscale_impl
         self._process_group = process_group
         self._on_skip = on_skip
+        self._listeners: list[Callable[[SkipEvent], None]] = []  # add_skip_listener (diagnostics)
         self._check_every = check_every
         self._reported_steps = 0  # updates already reported to on_skip (device count)
         self._unchecked = 0  # updates since the last on_skip check (host count, no sync)
+        self._host_updates = 0  # updates so far, counted on the host (= the device's `steps`)
         self._losses: list[_Loss] | None = None  # created on first use, on the data's device
         self._pending_load: list[dict[str, Any]] | None = None
         self._per_optimizer: dict[int, _PerOptimizer] = {}
@@ -504,11 +506,31 @@ class GradScaler:
         calls it once per replay. Syncs only when a check is due.
         """
         self._unchecked += count
-        if self._on_skip is not None and self._unchecked >= self._check_every:
+        self._host_updates += count
+        if (self._on_skip is not None or self._listeners) and self._unchecked >= self._check_every:
             if capturing():  # a check reads the device: not while a CUDA graph records
                 return
             self._maybe_report()
             self._unchecked = 0
+
+    @property
+    def host_updates(self) -> int:
+        """Updates counted on the host so far (``update()`` calls and noted replays); no sync."""
+        return self._host_updates
+
+    def add_skip_listener(self, listener: Callable[[SkipEvent], None]) -> Callable[[], None]:
+        """Also call `listener` for each overflowing update, like ``on_skip``; returns a remover.
+
+        Listeners are called in the same batches as ``on_skip`` (every `check_every` updates,
+        one host sync per batch); they are not pickled or saved in ``state_dict``.
+        """
+        self._listeners.append(listener)
+
+        def remove() -> None:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+        return remove
 
     def _agree_per_loss(self, like: torch.Tensor) -> None:
         # Each loss's overflows must be the same on every rank, or per-loss scales drift apart.
@@ -559,7 +581,9 @@ class GradScaler:
             for step in range(max(self._reported_steps, steps - HISTORY), steps):
                 used = hist[step % HISTORY]
                 if used < 0:
-                    self._on_skip(SkipEvent(step, -used, loss_id))  # type: ignore[misc]
+                    event = SkipEvent(step, -used, loss_id)
+                    for listener in ([self._on_skip] if self._on_skip else []) + self._listeners:
+                        listener(event)
         self._reported_steps = steps
 
     # ----------------------------------------------------------------- config accessors
@@ -628,6 +652,7 @@ class GradScaler:
         state["_pending_load"] = checkpoint.loss_fields(self)
         state["_losses"] = None
         state["_guards"] = {}
+        state["_listeners"] = []
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

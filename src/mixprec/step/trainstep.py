@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.diagnostics.watch import watcher_of
 from mixprec.errors import MixprecError, PolicyError, format_options
 from mixprec.levels.initialize import initialize, master_params, scale_loss
 from mixprec.levels.model import amp_hooks
@@ -237,6 +238,12 @@ class TrainStep:
         self.calls += 1
         if self._blocked is not None:
             return self._eager(batch, self._blocked)
+        if watcher_of(self.model) is not None:
+            self._drop_graphs()
+            return self._eager(batch, (
+                "running eagerly: a mixprec.watch_nonfinite is active on the model, and its "
+                "hooks run Python on every call, which a replayed CUDA graph would skip"
+            ))  # fmt: skip
         signature, why = graphs.batch_signature(batch, self._device)
         if signature is None:
             return self._eager(batch, "running eagerly: " + why)

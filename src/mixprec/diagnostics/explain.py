@@ -1,0 +1,502 @@
+"""`mixprec.explain`: run one forward under the policy and report what ran in which precision.
+
+The report is built by the engine itself, not by re-deriving the policy: `explain` installs a
+recording subclass of the autocast mode, which applies the very same rules as
+``mixprec.autocast`` and also notes, per call, the module it ran in, the rule's category and
+reason, the dtypes in and out and every cast the rule made (seen by handing the rule a spy in
+place of the function, so the spy receives the arguments *after* casting). A dispatch-level
+counter below it attributes matmul/convolution FLOPs to the dtype they ran in.
+
+Cost: several times a plain forward (Python work per call); meant for one example batch, not for
+training. Numerics are untouched: the rules and the casts are those of ``mixprec.autocast``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.overrides import _pop_mode, _push_mode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from mixprec.dtypes import dtype_name, parse_device_type
+from mixprec.eager.autocast import autocast
+from mixprec.eager.mode import AutocastMode, find_mode
+from mixprec.eager.rules import ArgumentSwitch, DecomposeRule, DeviceSwitch, ReentryRule, Rule
+from mixprec.eager.table import MISS
+from mixprec.errors import MixprecError
+from mixprec.policy.categories import OpCategory
+from mixprec.policy.entrypoints import op_name
+from mixprec.policy.policy import Policy
+
+__all__ = ["ExplainReport", "explain"]
+
+_LOW_NAMES = (dtype_name(torch.float16), dtype_name(torch.bfloat16))
+_FP32_NAME = dtype_name(torch.float32)
+
+
+def _flop_registry() -> dict[Any, Any]:
+    try:
+        from torch.utils.flop_counter import flop_registry
+    except ImportError:  # pragma: no cover - present in every supported torch
+        return {}
+    return flop_registry
+
+
+def _name(func: Any) -> str:
+    name = op_name(func)
+    if name is not None:
+        return name
+    return getattr(func, "__name__", None) or type(func).__name__
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+def _dtypes(value: Any) -> list[str]:
+    return [dtype_name(t.dtype) for t in _tensors(value)]
+
+
+class _Flops(TorchDispatchMode):
+    """Counts matmul/convolution FLOPs per dtype below the function mode (aten level)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.registry = _flop_registry()
+        self.current: Counter[str] = Counter()
+        self.backward: Counter[str] = Counter()
+        self.phase = "forward"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        count = self.registry.get(func._overloadpacket)
+        if count is not None:
+            ins = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
+            floating = [t.dtype for t in ins if t.is_floating_point()]
+            key = dtype_name(floating[0]) if floating else "other"
+            try:
+                flops = int(count(*args, **kwargs, out_val=out))
+            except Exception:
+                flops = 0
+            (self.current if self.phase == "forward" else self.backward)[key] += flops
+        return out
+
+
+@dataclass
+class _Row:
+    index: int
+    module: str
+    op: str
+    category: str
+    reason: str
+    inputs: list[str]
+    ran_in: list[str]
+    outputs: list[str]
+    casts: list[dict[str, Any]] = field(default_factory=list)
+    flops: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        executed = [c for c in self.casts if not c["cached"]]
+        return {
+            "index": self.index,
+            "module": self.module,
+            "op": self.op,
+            "category": self.category,
+            "reason": self.reason,
+            "inputs": self.inputs,
+            "ran_in": self.ran_in,
+            "outputs": self.outputs,
+            "casts": len(executed),
+            "cast_bytes": sum(c["bytes"] for c in executed),
+            "cached_casts": len(self.casts) - len(executed),
+            "cast_detail": self.casts,
+            "flops": self.flops,
+        }
+
+
+class _Recorder(AutocastMode):
+    """The autocast mode, applying the same rules, that also writes one row per call."""
+
+    def __init__(self, policy: Policy) -> None:
+        super().__init__()
+        self.policy = policy
+        self.rows: list[_Row] = []
+        self.modules: list[str] = []
+        self.flops: _Flops | None = None
+        self.producer: dict[int, tuple[int, torch.Tensor]] = {}  # id(output) -> (row, output)
+        self.edges: list[tuple[int, int, str, str, int]] = []  # producer, row, from, to, bytes
+        self._reasons: dict[tuple[str, str], str] = {}
+        self._busy = False
+
+    def _reason(self, name: str, category: str, func: Any, rule: Any) -> str:
+        key = (name, category)
+        hit = self._reasons.get(key)
+        if hit is None:
+            device, low, _ = self.regions[0] if self.regions else ("cpu", torch.bfloat16, None)
+            if isinstance(rule, Rule):
+                device = rule.device_type
+                low = rule.low
+            try:
+                target: Any = name if op_name(func) is not None else func
+                hit = self.policy.decide(target, device_type=device, dtype=low).reason
+            except (MixprecError, TypeError, ValueError):
+                hit = "in no list: runs in its input dtype"
+            self._reasons[key] = hit
+        return hit
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        rule = self.memo.get(func, MISS)
+        if rule is MISS:
+            rule = self.table.classify(func)
+        if self._busy or isinstance(rule, (ReentryRule, DecomposeRule)):
+            # A Python-level function re-entered under the mode: its inner calls get the rows.
+            if rule is None:
+                return func(*args, **kwargs) if kwargs else func(*args)
+            return rule(self, func, args, kwargs)
+        seen: dict[str, Any] = {}
+
+        def spy(*a: Any, **k: Any) -> Any:
+            seen["args"], seen["kwargs"] = a, k
+            out = func(*a, **k)
+            seen["raw"] = out
+            return out
+
+        category = _category(rule, args, kwargs)
+        cached_before = {id(v[3]) for v in self.cache.values()}
+        flops = self.flops
+        if flops is not None:
+            flops.current = Counter()
+        if rule is None:
+            out = spy(*args, **(kwargs or {}))
+        else:
+            self._busy = True
+            try:
+                out = rule(self, spy, args, kwargs)
+            finally:
+                self._busy = False
+        outs = _tensors(out)
+        if not outs:
+            return out  # shape, dtype and other metadata queries: not arithmetic
+        name = _name(func)
+        row = _Row(
+            index=len(self.rows),
+            module=self.modules[-1] if self.modules else "",
+            op=name,
+            category=category,
+            reason=self._reason(name, category, func, rule),
+            inputs=_dtypes((args, kwargs)),
+            ran_in=_dtypes((seen.get("args", ()), seen.get("kwargs", {}))),
+            outputs=_dtypes(out),
+            flops=dict(flops.current) if flops is not None else {},
+        )
+        if category == OpCategory.FP32_OUTPUT.value and seen.get("kwargs", {}).get("dtype"):
+            row.ran_in = [f"{_FP32_NAME}-acc"]  # upcast inside the kernel, no copy
+        self._note_casts(row, args, kwargs, seen, cached_before, out)
+        self.rows.append(row)
+        for t in outs:
+            self.producer[id(t)] = (row.index, t)
+        return out
+
+    def _note_casts(self, row, args, kwargs, seen, cached_before, out) -> None:
+        before = _tensors((args, kwargs))
+        after = _tensors((seen.get("args", ()), seen.get("kwargs", {})))
+        if len(before) == len(after):
+            for src, dst in zip(before, after, strict=True):
+                if src is dst or src.dtype == dst.dtype:
+                    continue
+                weight = src.is_leaf and src.requires_grad
+                row.casts.append({
+                    "from": dtype_name(src.dtype),
+                    "to": dtype_name(dst.dtype),
+                    "bytes": dst.numel() * dst.element_size(),
+                    "cached": id(dst) in cached_before,
+                    "weight": weight,
+                })  # fmt: skip
+                made = self.producer.get(id(src))
+                if made is not None and made[1] is src:
+                    last = row.casts[-1]
+                    self.edges.append((made[0], row.index, last["from"], last["to"],
+                                       0 if last["cached"] else last["bytes"]))  # fmt: skip
+        raw = seen.get("raw")
+        restored = isinstance(raw, torch.Tensor) and isinstance(out, torch.Tensor)
+        if restored and raw is not out and raw.dtype != out.dtype:  # a rule restored the dtype
+            row.casts.append({
+                "from": dtype_name(raw.dtype), "to": dtype_name(out.dtype),
+                "bytes": out.numel() * out.element_size(), "cached": False, "weight": False,
+            })  # fmt: skip
+
+
+def _category(rule: Any, args: tuple, kwargs: dict | None) -> str:
+    if rule is None:
+        return OpCategory.PASSTHROUGH.value
+    if isinstance(rule, Rule):
+        return rule.category.value
+    if isinstance(rule, ArgumentSwitch):
+        inner = rule.rules.get(rule.resolve(args, kwargs or {}) or "")
+        return _category(inner, args, kwargs)
+    if isinstance(rule, DeviceSwitch):
+        for t in _tensors((args, kwargs)):
+            return _category(rule.rules.get(t.device.type), args, kwargs)
+        return OpCategory.PASSTHROUGH.value
+    return type(rule).__name__
+
+
+class _ModuleStack:
+    """Forward pre/post hooks that keep the qualified name of the running module."""
+
+    def __init__(self, model: torch.nn.Module, names: list[str]) -> None:
+        self.handles = []
+        for qualname, module in model.named_modules():
+            label = qualname or f"({type(module).__name__})"
+
+            def pre(_m, _a, label=label):
+                names.append(label)
+
+            def post(_m, _a, _o):
+                if names:
+                    names.pop()
+
+            self.handles.append(module.register_forward_pre_hook(pre))
+            self.handles.append(module.register_forward_hook(post, always_call=True))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+class ExplainReport:
+    """What one forward (and optionally backward) ran in which precision, call by call.
+
+    Attributes:
+        rows: one dict per torch call that returned a tensor (see :meth:`ExplainReport.__str__`
+            for the columns), in execution order.
+        device_type, dtype, policy: the region explained.
+        flops: matmul/convolution FLOPs per dtype name, ``{'forward': {...}, 'backward': {...}}``.
+        ping_pong: chains low -> fp32 -> low: an fp32 op between two low-precision ops, each
+            with the modules involved and the bytes its two casts cost.
+    """
+
+    def __init__(self, recorder: _Recorder, device_type: str, dtype: torch.dtype,
+                 flops: _Flops, backward: bool) -> None:  # fmt: skip
+        self.rows = [r.as_dict() for r in recorder.rows]
+        self.device_type = device_type
+        self.dtype = dtype
+        self.policy = recorder.policy
+        self.flops = {"forward": dict(_total(r.flops for r in recorder.rows))}
+        if backward:
+            self.flops["backward"] = dict(flops.backward)
+        self.ping_pong = _ping_pong(recorder)
+
+    # ---- summaries
+    @property
+    def casts(self) -> int:
+        """Casts executed in the forward (cache hits of cast weights not counted)."""
+        return sum(r["casts"] for r in self.rows)
+
+    @property
+    def cast_bytes(self) -> int:
+        """Bytes written by those casts."""
+        return sum(r["cast_bytes"] for r in self.rows)
+
+    def low_precision_share(self, phase: str = "forward") -> float | None:
+        """Fraction of matmul/convolution FLOPs that ran in fp16/bf16 (None: no such op ran)."""
+        counts = self.flops.get(phase, {})
+        total = sum(counts.values())
+        if not total:
+            return None
+        return sum(v for k, v in counts.items() if k in _LOW_NAMES) / total
+
+    def summary(self) -> dict[str, Any]:
+        """The headline numbers, as Python values."""
+        by_cat = Counter(r["category"] for r in self.rows)
+        return {
+            "device_type": self.device_type,
+            "dtype": dtype_name(self.dtype),
+            "policy": str(self.policy),
+            "calls": len(self.rows),
+            "calls_by_category": dict(by_cat),
+            "casts": self.casts,
+            "cast_bytes": self.cast_bytes,
+            "weight_casts": sum(
+                1 for r in self.rows for c in r["cast_detail"] if c["weight"] and not c["cached"]
+            ),
+            "ping_pong": len(self.ping_pong),
+            "low_precision_flop_share": {p: self.low_precision_share(p) for p in self.flops},
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """Summary, ping-pong chains and rows as a JSON document."""
+        doc = {"summary": self.summary(), "ping_pong": self.ping_pong, "flops": self.flops,
+               "rows": self.rows}  # fmt: skip
+        return json.dumps(doc, indent=indent)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __str__(self) -> str:
+        return self.format()
+
+    def format(self, *, all_calls: bool = False, width: int = 48) -> str:
+        """A readable table. Pass-through calls without casts are hidden unless `all_calls`."""
+        s = self.summary()
+        lines = [
+            f"mixprec.explain: {s['device_type']} {s['dtype']}, policy {s['policy']}",
+            f"{s['calls']} calls: "
+            + ", ".join(f"{n} {k}" for k, n in sorted(s["calls_by_category"].items())),
+            f"casts: {s['casts']} ({_bytes(s['cast_bytes'])}), of weights {s['weight_casts']}; "
+            f"ping-pong chains: {s['ping_pong']}",
+        ]
+        for phase, share in s["low_precision_flop_share"].items():
+            if share is not None:
+                lines.append(f"matmul/conv FLOPs in low precision ({phase}): {share:.1%}")
+        lines.append("")
+        flow = "in -> ran in -> out"
+        cat = "category"
+        lines.append(f"{'#':>4}  {'module':<24} {'op':<22} {cat:<11} {flow:<30} casts  reason")
+        hidden = 0
+        for r in self.rows:
+            if not all_calls and r["category"] == "passthrough" and not r["cast_detail"]:
+                hidden += 1
+                continue
+            flow = f"{_short(r['inputs'])} -> {_short(r['ran_in'])} -> {_short(r['outputs'])}"
+            casts = str(r["casts"]) + ("+c" if r["cached_casts"] else "")
+            lines.append(
+                f"{r['index']:>4}  {_clip(r['module'], 24):<24} {_clip(r['op'], 22):<22} "
+                f"{r['category']:<11} {_clip(flow, 30):<30} {casts:>5}  {_clip(r['reason'], width)}"
+            )
+        if hidden:
+            lines.append(f"({hidden} pass-through calls without casts not shown; "
+                         "report.format(all_calls=True) or report.rows lists them)")  # fmt: skip
+        if self.ping_pong:
+            lines.append("")
+            lines.append("ping-pong (low -> fp32 -> low; each costs two casts):")
+            for p in self.ping_pong:
+                lines.append(f"  {p['path']}  ({_bytes(p['bytes'])})")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        s = self.summary()
+        return f"<ExplainReport {s['calls']} calls, {s['casts']} casts, {s['ping_pong']} ping-pong>"
+
+
+def _total(counters: Iterator[dict[str, int]]) -> Counter[str]:
+    out: Counter[str] = Counter()
+    for c in counters:
+        out.update(c)
+    return out
+
+
+def _ping_pong(rec: _Recorder) -> list[dict[str, Any]]:
+    """Chains p -> r -> q where r casts p's low output up to fp32 and q casts r's output down."""
+    up: dict[int, tuple[int, int]] = {}  # fp32 row -> (producer row, bytes of its up-cast)
+    for p, r, src, dst, nbytes in rec.edges:
+        if src in _LOW_NAMES and dst == _FP32_NAME:
+            up.setdefault(r, (p, nbytes))
+    chains = []
+    rows = rec.rows
+    for r, q, src, dst, nbytes in rec.edges:
+        if r in up and src == _FP32_NAME and dst in _LOW_NAMES:
+            p, up_bytes = up[r]
+            cost = up_bytes + nbytes
+            path = " -> ".join(f"{rows[i].module or '-'}:{rows[i].op}" for i in (p, r, q))
+            chains.append({"rows": [p, r, q], "path": path, "bytes": cost})
+    return chains
+
+
+def _short(dtypes: list[str]) -> str:
+    uniq = list(dict.fromkeys(dtypes))
+    return "/".join(uniq) or "-"
+
+
+def _clip(text: str, n: int) -> str:
+    return text if len(text) <= n else text[: n - 1] + "~"
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def explain(
+    model: torch.nn.Module,
+    *example_inputs: Any,
+    device_type: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    policy: Policy | str | None = None,
+    backward: bool = False,
+    **forward_kwargs: Any,
+) -> ExplainReport:
+    """Run ``model(*example_inputs)`` once under ``mixprec.autocast`` and report every call.
+
+    Args:
+        model: the module to explain (its hooks are removed again afterwards).
+        example_inputs: one batch, as the model's forward takes it.
+        device_type: the region's device type (default: the device of the model's parameters,
+            or of the first input tensor).
+        dtype: the low dtype (default: the policy's, else the device's default).
+        policy: a `mixprec.Policy` or its string form (default: torch.autocast's lists).
+        backward: also run a backward pass from the sum of the outputs and count its FLOPs per
+            dtype (backward ops follow the forward's dtypes; they are not rows).
+        forward_kwargs: keyword arguments of the forward.
+
+    Returns:
+        An :class:`ExplainReport`: ``str(report)`` is a table, ``report.rows`` the calls,
+        ``report.to_json()`` everything.
+
+    Cost: one forward (and backward) at several times the normal Python cost per call, plus
+    the memory of keeping each output alive until the report is built (to attribute casts to
+    the calls that produced their inputs). Values are computed exactly as under autocast.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"explain needs a torch.nn.Module, got {type(model).__name__}.")
+    if find_mode() is not None:
+        raise MixprecError(
+            "mixprec.explain was called inside a mixprec.autocast region; call it outside any "
+            "region (it opens its own, with the device_type, dtype and policy you pass)."
+        )
+    if device_type is None:
+        first = next(iter(model.parameters()), None)
+        if first is None:
+            first = next(iter(_tensors((example_inputs, forward_kwargs))), None)
+        device_type = first.device.type if first is not None else "cpu"
+    device_type = parse_device_type(device_type)
+    if isinstance(policy, str):
+        policy = Policy.from_string(policy)
+    region = autocast(device_type, dtype=dtype, policy=policy)
+    recorder = _Recorder(region.policy)
+    flops = _Flops()
+    recorder.flops = flops
+    stack = _ModuleStack(model, recorder.modules)
+    try:
+        with flops:
+            _push_mode(recorder)
+            try:
+                with region:
+                    out = model(*example_inputs, **forward_kwargs)
+            finally:
+                _pop_mode()
+            if backward:
+                flops.phase = "backward"
+                leaves = [t for t in _tensors(out) if t.requires_grad and t.is_floating_point()]
+                if not leaves:
+                    raise MixprecError(
+                        "explain(backward=True) needs an output that requires grad; the model's "
+                        "outputs do not (is it in torch.no_grad, or are its parameters frozen?)."
+                    )
+                torch.autograd.backward([t.float().sum() for t in leaves])
+    finally:
+        stack.remove()
+    return ExplainReport(recorder, device_type, region.dtype, flops, backward)

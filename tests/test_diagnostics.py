@@ -1,0 +1,467 @@
+"""Diagnostics: explain, watch_nonfinite, grad_underflow, scale_history (CPU)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import mixprec
+from mixprec.errors import MixprecError
+
+LN_FP32 = "fp32=layer_norm"  # the CUDA table's choice; torch's CPU list leaves layer_norm alone
+
+
+class _CastCounter(TorchDispatchMode):
+    """Independent reference: count dtype-changing aten copies and their bytes."""
+
+    def __init__(self):
+        super().__init__()
+        self.casts = 0
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func._overloadpacket is torch.ops.aten._to_copy and out.dtype != args[0].dtype:
+            self.casts += 1
+            self.bytes += out.numel() * out.element_size()
+        return out
+
+
+def _stack():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 8))
+
+
+# ------------------------------------------------------------------ explain
+
+
+def test_explain_reports_rules_and_ping_pong_of_linear_layernorm_linear():
+    report = mixprec.explain(_stack(), torch.randn(4, 16), device_type="cpu", policy=LN_FP32)
+    ops = [(r["module"], r["op"], r["category"]) for r in report.rows]
+    assert ops == [("0", "linear", "lower"), ("1", "layer_norm", "fp32"), ("2", "linear", "lower")]
+    lin, ln, _ = report.rows
+    assert lin["ran_in"] == ["bf16"] * 3 and lin["outputs"] == ["bf16"]
+    assert ln["inputs"][0] == "bf16" and ln["outputs"] == ["fp32"]
+    assert "CPU lower list" in lin["reason"]
+    assert "policy edit" in ln["reason"] or "fp32" in ln["reason"]
+    (chain,) = report.ping_pong
+    assert chain["rows"] == [0, 1, 2]
+    assert chain["path"] == "0:linear -> 1:layer_norm -> 2:linear"
+    assert chain["bytes"] == 4 * 32 * 4 + 4 * 32 * 2  # bf16 -> fp32 up, fp32 -> bf16 down
+    text = str(report)
+    assert "ping-pong" in text and "layer_norm" in text
+    doc = json.loads(report.to_json())
+    assert doc["summary"]["ping_pong"] == 1 and len(doc["rows"]) == 3
+    assert report.low_precision_share() == 1.0
+
+
+def test_explain_reason_names_the_policy_edit():
+    report = mixprec.explain(_stack(), torch.randn(4, 16), device_type="cpu", policy=LN_FP32)
+    ln = report.rows[1]
+    decided = mixprec.Policy.from_string(LN_FP32).decide("layer_norm", device_type="cpu")
+    assert ln["reason"] == decided.reason
+
+
+@pytest.mark.parametrize("policy", [None, LN_FP32, "fp32=linear"])
+def test_explain_casts_agree_with_what_autocast_did(policy):
+    """Cast count and bytes equal an independent aten-level count of a plain autocast run."""
+    model = _stack()
+    shared = nn.Sequential(model, model[2].__class__(8, 8))
+    x = torch.randn(4, 16)
+    counter = _CastCounter()
+    with counter, mixprec.autocast("cpu", policy=policy):
+        expected = shared(x)
+    report = mixprec.explain(shared, x, device_type="cpu", policy=policy)
+    assert report.casts == counter.casts
+    assert report.cast_bytes == counter.bytes
+    # And the report's forward computed the same values.
+    with mixprec.autocast("cpu", policy=policy):
+        again = shared(x)
+    assert torch.equal(expected, again)
+
+
+def test_explain_counts_cached_weight_casts_once():
+    lin = nn.Linear(8, 8)
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, x):
+            return self.lin(self.lin(x))
+
+    counter = _CastCounter()
+    with counter, mixprec.autocast("cpu"):
+        Twice()(torch.randn(2, 8))
+    report = mixprec.explain(Twice(), torch.randn(2, 8), device_type="cpu")
+    assert report.casts == counter.casts
+    assert report.rows[1]["cached_casts"] == 2  # weight and bias reused from the first call
+
+
+def test_explain_flop_share_follows_the_policy():
+    x = torch.randn(4, 16)
+    low = mixprec.explain(_stack(), x, device_type="cpu", backward=True)
+    high = mixprec.explain(_stack(), x, device_type="cpu", policy="fp32=linear", backward=True)
+    assert low.low_precision_share() == 1.0 and low.low_precision_share("backward") == 1.0
+    assert high.low_precision_share() == 0.0
+    assert low.flops["forward"]["bf16"] == 2 * 4 * (16 * 32 + 32 * 8)
+
+
+def test_explain_resnet_block_reports_convolutions_in_low_precision():
+    from mixprec.bench.models import ResNet50
+
+    model = ResNet50(num_classes=10, width=8)
+    report = mixprec.explain(model, torch.randn(2, 3, 32, 32), device_type="cpu")
+    convs = [r for r in report.rows if r["op"] == "conv2d"]
+    assert convs and all(r["category"] == "lower" and r["outputs"] == ["bf16"] for r in convs)
+    assert convs[0]["module"] == "stem.0"
+    assert report.low_precision_share() == 1.0
+
+
+def test_explain_errors():
+    with pytest.raises(TypeError, match="nn.Module"):
+        mixprec.explain(lambda x: x, torch.randn(2))
+    with mixprec.autocast("cpu"), pytest.raises(MixprecError, match="outside any region"):
+        mixprec.explain(_stack(), torch.randn(2, 16))
+    frozen = _stack().requires_grad_(False)
+    with pytest.raises(MixprecError, match="requires grad"):
+        mixprec.explain(frozen, torch.randn(2, 16), backward=True)
+
+
+def test_explain_leaves_no_hooks_or_modes_behind():
+    model = _stack()
+    mixprec.explain(model, torch.randn(2, 16))
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert torch._C._len_torch_function_stack() == 0
+    assert not mixprec.is_autocast_enabled()
+
+
+# ------------------------------------------------------------------ watch_nonfinite
+
+
+class _Blowup(nn.Module):
+    """Multiplies by a huge factor: overflows fp16 in the forward."""
+
+    def forward(self, x):
+        return x * 1e5
+
+
+class _GradBoost(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 1e6  # overflows fp16 in backward only
+
+
+class _BackwardBomb(nn.Module):
+    def forward(self, x):
+        return _GradBoost.apply(x)
+
+
+class _Net(nn.Module):
+    def __init__(self, middle: nn.Module):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), middle)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.encoder(x))
+
+
+def _x():
+    torch.manual_seed(1)
+    return torch.randn(4, 8)
+
+
+@pytest.mark.parametrize("ops", [True, False])
+def test_watch_names_forward_overflow_module_and_op(ops):
+    model = _Net(_Blowup()).half()
+    with mixprec.watch_nonfinite(model, ops=ops) as watch:
+        model(_x().half()).float().sum().backward()
+    first = watch.first
+    assert first is not None
+    assert (first.module, first.phase, first.kind, first.step) == ("encoder.2", "forward", "inf", 0)
+    assert first.op == ("mul" if ops else None)
+    assert 0 < first.max_before < 10  # nothing was large before it: the module itself blew up
+    assert "encoder.2" in str(first)
+
+
+@pytest.mark.parametrize("ops", [True, False])
+def test_watch_names_backward_only_overflow(ops):
+    model = _Net(_BackwardBomb()).half()
+    x = _x().half()
+    with torch.no_grad():
+        assert torch.isfinite(model(x)).all()  # the forward is healthy
+    with mixprec.watch_nonfinite(model, ops=ops) as watch:
+        (model(x).float().sum() * 100).backward()
+    first = watch.first
+    assert (first.module, first.phase, first.kind) == ("encoder.2", "input-grad", "inf")
+    assert first.max_before >= 100  # the gradient arriving from the head, before the boost
+
+
+def test_watch_names_parameter_gradient_overflow():
+    lin = nn.Linear(4, 4).half()
+    with torch.no_grad():
+        lin.weight.fill_(1e-3)
+    model = nn.Sequential(lin)
+    x = torch.full((64, 4), 200.0).half()  # grad_W = sum over 64 rows of 1000 * 200: inf
+    with mixprec.watch_nonfinite(model) as watch:
+        (model(x).float().sum() * 1000).backward()
+    first = watch.first
+    assert first.module == "0" and first.phase == "param-grad"
+    assert not torch.isfinite(lin.weight.grad).all()
+
+
+def test_watch_healthy_model_reports_nothing_and_keeps_magnitudes():
+    model = _Net(nn.Identity())
+    with mixprec.watch_nonfinite(model) as watch:
+        for _ in range(3):
+            model(_x()).sum().backward()
+        assert watch.first is None and watch.events() == []
+        mags = watch.magnitudes()
+    assert {m["phase"] for m in mags} == {"forward", "input-grad", "param-grad"}
+    head = next(m for m in mags if m["module"] == "head" and m["phase"] == "forward")
+    with torch.no_grad():
+        assert head["max_abs"] == pytest.approx(model(_x()).abs().max().item())
+    assert all(not m._forward_hooks for m in model.modules())
+
+
+def test_watch_events_per_step_and_first_is_the_earliest():
+    flip = {"on": False}
+
+    class Sometimes(nn.Module):
+        def forward(self, x):
+            return x * (1e5 if flip["on"] else 1.0)
+
+    model = _Net(Sometimes()).half()
+    x = _x().half()
+    with mixprec.watch_nonfinite(model) as watch:
+        for step in range(5):
+            flip["on"] = step in (2, 4)
+            model(x).float().sum().backward()  # grads accumulate: step 3 adds to inf .grad
+        events = watch.events()
+        assert [e.step for e in events] == [2, 4]
+        assert {e.module for e in events} == {"encoder.2"}
+        assert watch.first.step == 2
+
+
+def test_watch_attached_to_scaler_diagnoses_skipped_updates():
+    torch.manual_seed(0)
+    flip = {"on": False}
+
+    class Sometimes(nn.Module):
+        def forward(self, x):
+            return x * (1e6 if flip["on"] else 1.0)
+
+    model = _Net(Sometimes())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = mixprec.GradScaler("cpu", init_scale=2.0**10, check_every=1)
+    x, y = _x(), torch.randint(0, 2, (4,))
+    with mixprec.watch_nonfinite(model, attach=scaler) as watch:
+        for step in range(6):
+            flip["on"] = step == 3
+            opt.zero_grad()
+            with mixprec.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert len(watch.skips) == 1
+    skip, event = watch.skips[0]
+    assert skip.step == 3
+    assert event is not None and event.module == "encoder.2" and event.phase == "forward"
+    assert scaler._listeners == []  # detached on exit
+
+
+def test_watch_makes_trainstep_run_eagerly_and_says_why():
+    from tests.test_trainstep import _capturing, _sgd_step
+
+    step = _sgd_step(warmup=1)
+    backend = _capturing(step)
+    x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+    with mixprec.watch_nonfinite(step.model, attach=step):
+        for _ in range(3):
+            step(x, y)
+            assert not step.captured and "watch_nonfinite" in step.reason
+    assert backend.captured == 0
+    step(x, y)
+    step(x, y)
+    assert backend.captured == 1  # captures again once the watch is gone
+
+
+def test_watch_errors():
+    model = _Net(nn.Identity())
+    with pytest.raises(TypeError, match="nn.Module"):
+        mixprec.watch_nonfinite("model")
+    with pytest.raises(MixprecError, match="history"):
+        mixprec.watch_nonfinite(model, history=0)
+    with pytest.raises(MixprecError, match="attach"):
+        mixprec.watch_nonfinite(model, attach=object())
+    with mixprec.watch_nonfinite(model), pytest.raises(MixprecError, match="already watched"):
+        mixprec.watch_nonfinite(model).__enter__()
+
+
+# ------------------------------------------------------------------ grad_underflow
+
+
+def test_grad_underflow_matches_fp16_rounding():
+    torch.manual_seed(0)
+    model = nn.Linear(100, 100)
+    # Gradients spread log-uniformly from 2^-30 to 2^2, with some exact zeros.
+    g = torch.exp2(torch.empty(100, 100).uniform_(-30, 2)) * torch.randn(100, 100).sign()
+    g[:5] = 0
+    model.weight.grad = g
+    model.bias.grad = torch.zeros(100)
+    report = mixprec.grad_underflow(model, scale=1.0)
+    row = next(r for r in report.rows if r["param"] == "weight")
+    half, half2 = g.half(), (2 * g).half()
+    n = g.numel()
+    assert row["zero"] == pytest.approx((g == 0).sum().item() / n)
+    assert row["flushed"] == pytest.approx(((g != 0) & (half == 0)).sum().item() / n, abs=2e-4)
+    sub = ((half != 0) & (half.abs() < 2.0**-14)).sum().item() / n
+    assert row["subnormal"] == pytest.approx(sub, abs=2e-4)
+    assert row["flushed_2x"] == pytest.approx(((g != 0) & (half2 == 0)).sum().item() / n, abs=2e-4)
+    sub2 = ((half2 != 0) & (half2.abs() < 2.0**-14)).sum().item() / n
+    assert row["subnormal_2x"] == pytest.approx(sub2, abs=2e-4)
+    assert report.saved_by_2x > 0 and not row["overflow_2x"]
+    bias = next(r for r in report.rows if r["param"] == "bias")
+    assert bias["zero"] == 1.0
+    assert "a 2x scale would lift" in str(report)
+    assert json.loads(report.to_json())["rows"][0]["param"] == "weight"
+
+
+def test_grad_underflow_scale_and_ceiling():
+    model = nn.Linear(2, 1)
+    model.weight.grad = torch.tensor([[2.0**-20, 40000.0]])
+    model.bias.grad = torch.tensor([1.0])
+    at1 = mixprec.grad_underflow(model)
+    assert at1.total()["overflow_2x"]  # 80000 > 65504
+    assert "would overflow" in str(at1)
+    at_small = mixprec.grad_underflow(model, scale=2.0**-10)
+    w = at_small.rows[0]
+    assert w["flushed"] == 0.5  # 2^-30 flushes; 39 stays
+    with pytest.raises(MixprecError, match="scale"):
+        mixprec.grad_underflow(model, scale=0)
+    with pytest.raises(MixprecError, match="float16"):
+        mixprec.grad_underflow(model, dtype=torch.float32)
+    with pytest.raises(MixprecError, match="after backward"):
+        mixprec.grad_underflow(nn.Linear(2, 2))
+
+
+# ------------------------------------------------------------------ scale_history
+
+
+def test_scale_history_matches_torch_scaler_trajectory(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    ours = mixprec.GradScaler("cpu", init_scale=2.0**8, growth_interval=3)
+    theirs = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=3)
+    opt_a = torch.optim.SGD(model.parameters(), lr=0.0)
+    opt_b = torch.optim.SGD(model.parameters(), lr=0.0)
+    used, skipped = [], []
+    for step in range(14):
+        bad = step in (2, 3, 9)
+        for scaler, opt in ((ours, opt_a), (theirs, opt_b)):
+            opt.zero_grad()
+            loss = model(torch.ones(1, 4)).sum() * (math.inf if bad else 1.0)
+            scaler.scale(loss).backward()
+            if scaler is theirs:
+                used.append(theirs.get_scale())
+                skipped.append(bad)
+            scaler.step(opt)
+            scaler.update()
+    history = mixprec.scale_history(ours)
+    assert [r["scale"] for r in history.rows] == used
+    assert [r["skipped"] for r in history.rows] == skipped
+    assert history.skipped == [2, 3, 9]
+    assert "3 skipped" in str(history)
+    png = history.plot(str(tmp_path / "scale.png"))
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert json.loads(history.to_json())["rows"][0]["update"] == 0
+
+
+def test_scale_history_errors_and_empty():
+    assert mixprec.scale_history(mixprec.GradScaler("cpu")).rows == []
+    with pytest.raises(MixprecError, match="GradScaler"):
+        mixprec.scale_history(object())
+
+
+# ------------------------------------------------------------------ scaler hooks used above
+
+
+def _scaler_steps(scaler, bad_steps, n):
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    for step in range(n):
+        opt.zero_grad()
+        loss = model(torch.ones(1, 4)).sum() * (math.inf if step in bad_steps else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+
+def test_skip_listeners_host_updates_and_checkpoint_resume():
+    import pickle
+
+    seen, resumed = [], []
+    scaler = mixprec.GradScaler("cpu", init_scale=4.0, check_every=1)
+    remove = scaler.add_skip_listener(seen.append)
+    _scaler_steps(scaler, {1}, 3)
+    assert [e.step for e in seen] == [1] and scaler.host_updates == 3
+    restored = pickle.loads(pickle.dumps(scaler))  # listeners are not pickled
+    assert restored._listeners == []
+    fresh = mixprec.GradScaler("cpu", check_every=1, on_skip=resumed.append)
+    fresh.load_state_dict(scaler.state_dict())
+    assert fresh.host_updates == 3
+    _scaler_steps(fresh, {1}, 3)  # its updates 3, 4 (overflow), 5
+    assert [e.step for e in resumed] == [4]  # the loaded history is not reported again
+    remove()
+    _scaler_steps(scaler, {0}, 1)
+    assert [e.step for e in seen] == [1]
+
+
+def test_worked_example_fails_in_fp16_and_both_fixes_train(tmp_path):
+    """docs/diagnostics.md's case, end to end: diagnosis names the norm; fixes reach fp32."""
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "out.json"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, os.path.join(root, "examples", "fp16_overflow.py"), "--json", str(path)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(path.read_text())
+    acc = {r["run"]: r["test_accuracy"] for r in doc["runs"]}
+    assert acc["fp16"] < 0.3  # collapsed
+    for fixed in ("fp16, norm in fp32 (float_function)", "bf16"):
+        assert acc[fixed] > acc["fp32"] - 0.03, (fixed, acc)
+    assert "forward output of module '1' (op mul)" in doc["diagnosis"]
+
+
+@pytest.mark.parametrize("ops", [True, False])
+def test_watch_never_reads_the_device_until_asked(ops):
+    """The hot path queues device reductions only: every host read of a tensor is refused."""
+    from tests.helpers import no_host_reads
+
+    model = _Net(_Blowup()).half()
+    x = _x().half()
+    with mixprec.watch_nonfinite(model, ops=ops) as watch:
+        model(x).float().sum().backward()  # first step outside: nothing special, but warm
+        with no_host_reads():
+            for _ in range(3):  # three steps, two folds, all overflowing
+                model(x).float().sum().backward()
+        assert [e.step for e in watch.events()] == [0, 1, 2, 3]
