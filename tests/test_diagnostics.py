@@ -465,3 +465,27 @@ def test_watch_never_reads_the_device_until_asked(ops):
             for _ in range(3):  # three steps, two folds, all overflowing
                 model(x).float().sum().backward()
         assert [e.step for e in watch.events()] == [0, 1, 2, 3]
+
+
+def test_explain_follows_the_region_a_model_opens_itself():
+    """An O1 model opens its own autocast with its own policy: rows and reasons follow it."""
+    own = mixprec.Policy.from_string(LN_FP32)
+    model = mixprec.initialize(_stack(), None, opt_level="O1", dtype="bf16", policy=own)
+    report = mixprec.explain(model, torch.randn(4, 16), device_type="cpu")  # default policy
+    ln = report.rows[1]
+    assert (ln["op"], ln["category"]) == ("layer_norm", "fp32")
+    assert ln["reason"] == own.decide("layer_norm", device_type="cpu").reason
+    assert len(report.ping_pong) == 1
+
+
+def test_advice_tells_range_problems_from_invalid_ops_and_scaler_probing():
+    from mixprec.diagnostics.watch import NonFiniteEvent, advice
+
+    fwd = NonFiniteEvent("blocks.1.norm", "forward", "mul", "inf", 3, 268.5)
+    text = advice(fwd, 50, 60)
+    assert "no loss scale can fix" in text and "float_function" in text and "bf16" in text
+    nan = NonFiniteEvent("head", "forward", "log", "nan", 0, 2.0)
+    assert "invalid operation" in advice(nan)
+    grad = NonFiniteEvent("fc", "param-grad", "mm", "inf", 0, 6e4, "fc.weight")
+    assert "as designed" in advice(grad, 3, 300)
+    assert "cannot settle" in advice(grad, 250, 300)

@@ -126,26 +126,30 @@ class _Recorder(AutocastMode):
 
     def __init__(self, policy: Policy) -> None:
         super().__init__()
-        self.policy = policy
+        self.policy = policy  # explain's own region; a model may open regions of its own
         self.rows: list[_Row] = []
         self.modules: list[str] = []
         self.flops: _Flops | None = None
         self.producer: dict[int, tuple[int, torch.Tensor]] = {}  # id(output) -> (row, output)
         self.edges: list[tuple[int, int, str, str, int]] = []  # producer, row, from, to, bytes
-        self._reasons: dict[tuple[str, str], str] = {}
+        self._reasons: dict[tuple[Any, ...], str] = {}
         self._busy = False
 
-    def _reason(self, name: str, category: str, func: Any, rule: Any) -> str:
-        key = (name, category)
+    def _reason(self, name: str, category: str, func: Any, rule: Any, args: tuple) -> str:
+        # The region in force decides (a model may open its own, e.g. an O1 model's policy).
+        device = rule.device_type if isinstance(rule, Rule) else None
+        if device is None:
+            device = next((t.device.type for t in _tensors(args)), None)
+        region = next((r for r in self.regions if r[0] == device), None)
+        if region is None:
+            region = self.regions[0] if self.regions else ("cpu", torch.bfloat16, self.policy)
+        device, low, policy = region
+        key = (name, category, device, low, policy.serial)
         hit = self._reasons.get(key)
         if hit is None:
-            device, low, _ = self.regions[0] if self.regions else ("cpu", torch.bfloat16, None)
-            if isinstance(rule, Rule):
-                device = rule.device_type
-                low = rule.low
             try:
                 target: Any = name if op_name(func) is not None else func
-                hit = self.policy.decide(target, device_type=device, dtype=low).reason
+                hit = policy.decide(target, device_type=device, dtype=low).reason
             except (MixprecError, TypeError, ValueError):
                 hit = "in no list: runs in its input dtype"
             self._reasons[key] = hit
@@ -190,7 +194,7 @@ class _Recorder(AutocastMode):
             module=self.modules[-1] if self.modules else "",
             op=name,
             category=category,
-            reason=self._reason(name, category, func, rule),
+            reason=self._reason(name, category, func, rule, args),
             inputs=_dtypes((args, kwargs)),
             ran_in=_dtypes((seen.get("args", ()), seen.get("kwargs", {}))),
             outputs=_dtypes(out),

@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_flatten
 
 from mixprec.errors import MixprecError
 
-__all__ = ["NonFiniteEvent", "watch_nonfinite", "watcher_of"]
+__all__ = ["NonFiniteEvent", "advice", "watch_nonfinite", "watcher_of"]
 
 _INF = math.inf
 _ACTIVE: weakref.WeakKeyDictionary[torch.nn.Module, watch_nonfinite] = weakref.WeakKeyDictionary()
@@ -373,9 +373,7 @@ class watch_nonfinite:
     def summary(self) -> str:
         """Where the retained steps' first non-finite values were, most frequent first. Syncs.
 
-        A forward entry that repeats step after step is a value the low dtype cannot hold,
-        whatever the loss scale (fix it in the model or the policy, or use bf16); a gradient
-        entry on a few steps is the scaler probing its ceiling, which is normal.
+        Ends with a suggested fix for the most frequent entry (see :func:`advice`).
         """
         events = self.events()
         if not events:
@@ -390,6 +388,8 @@ class watch_nonfinite:
             steps = [g.step for g in group]
             span = f"steps {steps[0]}..{steps[-1]}" if len(steps) > 1 else f"step {steps[0]}"
             lines.append(f"  {len(group):>5} x {text} ({span})")
+        top = max(groups.values(), key=len)
+        lines.append("suggested: " + advice(top[0], len(top), len(self._step_meta)))
         return "\n".join(lines)
 
     def magnitudes(self) -> list[dict[str, Any]]:
@@ -418,6 +418,43 @@ class watch_nonfinite:
                 if found is not None:
                     break
         self.skips.append((event, found))
+
+
+def advice(event: NonFiniteEvent, count: int = 1, steps: int = 1) -> str:
+    """What to do about `event`, seen on `count` of `steps` steps: the rules of thumb, as text.
+
+    - NaN after only small values: an invalid operation (0/0, inf - inf, sqrt or log of a
+      negative), not a range problem.
+    - Forward values past the range: no loss scale helps (the forward is not scaled); run the op
+      in fp32 or use bf16, whose range is fp32's.
+    - Gradients, on a few steps: the scaler finding its ceiling, as designed.
+    - Gradients on most steps: the scale cannot settle; something else is wrong.
+    """
+    where = event.param or event.module or "the model"
+    op = f" ({event.op})" if event.op else ""
+    if event.kind == "nan" and event.max_before < 1e4:
+        return (
+            f"the NaN in {where}{op} comes after values of at most {event.max_before:.3g}: an "
+            "invalid operation (0/0, inf - inf, sqrt or log of a negative), not a range problem; "
+            "guard that op (clamp, eps) rather than change precision."
+        )
+    if event.phase == FORWARD:
+        return (
+            f"the forward of {where!r}{op} exceeds the low dtype's range (fp16: 65504), which no "
+            "loss scale can fix. Run it in fp32: decorate the function that computes it with "
+            "mixprec.float_function, or move its op, Policy().move("
+            f"{event.op or '<op>'!r}, to='fp32'); or train in bf16, which has fp32's range."
+        )
+    if count * 2 <= steps or count <= 3:
+        return (
+            f"gradient overflows on {count} of {steps} steps: the loss scaler finding its "
+            "ceiling and backing off, as designed; nothing to fix."
+        )
+    return (
+        f"gradients of {where}{op} overflow on {count} of {steps} steps: the scale cannot "
+        "settle. Look for exploding activations or a too high learning rate; lower init_scale "
+        "or set max_scale; or train in bf16."
+    )
 
 
 def _scaler_of(attach: Any) -> Any:
