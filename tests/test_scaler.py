@@ -223,6 +223,32 @@ def test_no_host_reads_in_steady_state():
     assert scaler.get_scale() == 2.0**15
 
 
+def test_stateless_optimizer_syncs_once_then_never():
+    """SGD without momentum keeps no state: after its first step it must not read the host."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = mixprec.GradScaler("cpu")
+    batches = _batches(4)
+
+    def one(x, y, inject=False):
+        opt.zero_grad()
+        scaler.scale(F.mse_loss(model(x), y)).backward()
+        if inject:
+            model[0].bias.grad[0] = INF
+        scaler.step(opt)
+        scaler.update()
+
+    one(*batches[0])
+    before = [p.detach().clone() for p in model.parameters()]
+    with no_host_reads():
+        one(*batches[1], inject=True)  # skipped on the device, exactly
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    with no_host_reads():
+        one(*batches[2])
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert scaler._per_optimizer == {} and scaler.skip_mode(opt)[0] == "restore"
+
+
 def test_skip_modes_explain_themselves():
     scaler = mixprec.GradScaler("cpu")
     assert scaler.skip_mode(OPTIMIZERS["adamw-fused"](_model().parameters()))[0] == "fused"

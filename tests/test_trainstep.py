@@ -3,8 +3,8 @@
 The eager step must give the same losses, skip decisions and parameters, bit for bit, as the
 loop a user writes by hand (mixprec.autocast + GradScaler, or initialize + scale_loss). The
 capture bookkeeping (warm-up, one graph per input signature, staleness, fallbacks) is tested
-with a stand-in backend that runs the step where CUDA would record it; the real CUDA graphs
-are tested in test_trainstep_cuda.py.
+with a stand-in backend that runs the step where CUDA would record it; test_trainstep_replay.py
+replays recorded kernels only; the real CUDA graphs are tested in test_trainstep_cuda.py.
 """
 
 from __future__ import annotations

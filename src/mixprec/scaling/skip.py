@@ -16,7 +16,9 @@ mixprec keeps that fast path and adds an exact device-side skip for every other 
 
 ``restore`` needs to know the state's structure before the step. The step that *creates* an
 optimizer's state (its first step, or the first step of newly added parameters) therefore
-decides on the host, once. State tensors on another device than ``found_inf`` (the CPU step
+decides on the host, once; a parameter that still has no state after a step that ran (SGD
+without momentum keeps none) is remembered as stateless, so it costs that one sync too, not one
+per step. State tensors on another device than ``found_inf`` (the CPU step
 counters of non-capturable Adam with CUDA parameters) cost a synchronisation per step: pass
 ``capturable=True`` or ``fused=True`` to such optimizers to stay sync-free.
 """
@@ -24,6 +26,7 @@ counters of non-capturable Adam with CUDA parameters) cost a synchronisation per
 from __future__ import annotations
 
 import enum
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -60,8 +63,14 @@ def choose_mode(optimizer: torch.optim.Optimizer, requested: SkipMode) -> tuple[
     )
 
 
-def _tracked(optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], bool]:
-    """Tensors a step may modify (params with grads, their state), and whether state is complete."""
+def _tracked(
+    optimizer: torch.optim.Optimizer, stateless: dict[int, weakref.ref]
+) -> tuple[list[torch.Tensor], bool]:
+    """Tensors a step may modify (params with grads, their state), and whether state is complete.
+
+    A parameter without state is complete only if a step already ran for it (`stateless`):
+    otherwise this step may create its state.
+    """
     tensors: list[torch.Tensor] = []
     complete = True
     for group in optimizer.param_groups:
@@ -71,7 +80,9 @@ def _tracked(optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], bool
             tensors.append(p)
             state = optimizer.state.get(p)
             if not state:
-                complete = False
+                known = stateless.get(id(p))
+                if known is None or known() is not p:
+                    complete = False
                 continue
             tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
     return tensors, complete
@@ -84,6 +95,9 @@ class StepGuard:
         self.mode = mode
         self.reason = reason
         self._snapshot: list[torch.Tensor] = []
+        # id(param) -> weakref(param): params a step ran for that kept no optimizer state.
+        # (Keyed by id: tensors compare elementwise, so they cannot be set members.)
+        self._stateless: dict[int, weakref.ref] = {}
         self.host_syncs = 0  # how many steps had to ask the host (state creation, host state)
 
     def step(
@@ -107,13 +121,17 @@ class StepGuard:
         if self.mode is SkipMode.SYNC:
             self.host_syncs += 1
             return None if bool(found_inf.item()) else run()
-        tensors, complete = _tracked(optimizer)
+        tensors, complete = _tracked(optimizer, self._stateless)
         if not tensors:  # no gradients: the step changes nothing either way
             return run()
         if not complete or any(t.device != found_inf.device for t in tensors):
             # State is about to be created (or lives on another device): decide on the host.
             self.host_syncs += 1
-            return None if bool(found_inf.item()) else run()
+            if bool(found_inf.item()):
+                return None
+            result = run()
+            self._note_stateless(optimizer)
+            return result
         self._ensure_snapshot(tensors)
         with torch.no_grad():
             torch._foreach_copy_(self._snapshot, tensors)
@@ -123,6 +141,12 @@ class StepGuard:
             for current, saved in zip(tensors, self._snapshot, strict=True):
                 current.copy_(torch.where(skip, saved, current))
         return result
+
+    def _note_stateless(self, optimizer: torch.optim.Optimizer) -> None:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and not optimizer.state.get(p):
+                    self._stateless[id(p)] = weakref.ref(p)
 
     def _ensure_snapshot(self, tensors: list[torch.Tensor]) -> None:
         snap = self._snapshot
