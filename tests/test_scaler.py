@@ -194,6 +194,23 @@ def test_first_step_overflow_creates_no_state():
     assert len(opt.state) == 0  # decided on the host, once: nothing to restore afterwards
 
 
+def _one_step(model, opt, scaler, clip=None):
+    """One scaled MSE step; `inject=True` plants an inf in a gradient."""
+
+    def one(x, y, inject=False):
+        opt.zero_grad()
+        scaler.scale(F.mse_loss(model(x), y)).backward()
+        if inject:
+            model[0].bias.grad[0] = INF
+        if clip is not None:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=True)
+        scaler.step(opt)
+        scaler.update()
+
+    return one
+
+
 def test_no_host_reads_in_steady_state():
     """After the first step, scale/unscale_/step/update never read a tensor on the host.
 
@@ -204,17 +221,7 @@ def test_no_host_reads_in_steady_state():
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=True)
     scaler = mixprec.GradScaler("cpu")
     batches = _batches(4)
-
-    def one(x, y, inject=False):
-        opt.zero_grad()
-        scaler.scale(F.mse_loss(model(x), y)).backward()
-        if inject:
-            model[0].bias.grad[0] = INF
-        scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
-        scaler.step(opt)
-        scaler.update()
-
+    one = _one_step(model, opt, scaler, clip=1.0)
     one(*batches[0])
 
     with no_host_reads():
@@ -229,15 +236,7 @@ def test_stateless_optimizer_syncs_once_then_never():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = mixprec.GradScaler("cpu")
     batches = _batches(4)
-
-    def one(x, y, inject=False):
-        opt.zero_grad()
-        scaler.scale(F.mse_loss(model(x), y)).backward()
-        if inject:
-            model[0].bias.grad[0] = INF
-        scaler.step(opt)
-        scaler.update()
-
+    one = _one_step(model, opt, scaler)
     one(*batches[0])
     before = [p.detach().clone() for p in model.parameters()]
     with no_host_reads():

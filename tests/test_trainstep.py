@@ -67,6 +67,20 @@ def _plain_loop(model, opt, scaler, batches, dtype, clip=None):
     return losses
 
 
+def o1_fp16_pair(make_opt, clip, **step_kw):
+    """The plain loop's run over `_batches()`, and a fresh model with its O1 fp16 TrainStep."""
+    batches = _batches()
+    ref_model = _model()
+    ref_scaler = mixprec.GradScaler("cpu", growth_interval=5)
+    ref = _plain_loop(ref_model, make_opt(ref_model.parameters()), ref_scaler, batches,
+                      torch.float16, clip)  # fmt: skip
+    model = _model()
+    step = mixprec.TrainStep(model, make_opt(model.parameters()), F.cross_entropy, dtype="fp16",
+                             scaler=mixprec.GradScaler("cpu", growth_interval=5),
+                             clip_grad_norm=clip, **step_kw)  # fmt: skip
+    return batches, ref, ref_model, ref_scaler, model, step
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().view(torch.int32 if t.element_size() == 4 else torch.int16)
 
@@ -88,17 +102,7 @@ def _params_equal(m1: torch.nn.Module, m2: torch.nn.Module) -> bool:
 @pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("clip", [None, 0.5])
 def test_o1_fp16_step_equals_the_plain_loop_with_overflows(opt_name, clip):
-    make_opt = OPTIMIZERS[opt_name]
-    batches = _batches()
-    ref_model = _model()
-    ref_scaler = mixprec.GradScaler("cpu", growth_interval=5)
-    ref = _plain_loop(ref_model, make_opt(ref_model.parameters()), ref_scaler, batches,
-                      torch.float16, clip)  # fmt: skip
-
-    model = _model()
-    step = mixprec.TrainStep(model, make_opt(model.parameters()), F.cross_entropy, dtype="fp16",
-                             scaler=mixprec.GradScaler("cpu", growth_interval=5),
-                             clip_grad_norm=clip)  # fmt: skip
+    batches, ref, ref_model, ref_scaler, model, step = o1_fp16_pair(OPTIMIZERS[opt_name], clip)
     losses = [step(x, y) for x, y in batches]
     assert _same(losses, ref)
     assert sum(not torch.isfinite(v) for v in losses) == len(OVERFLOWS)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import mixprec
 from tests.replay_backend import install
-from tests.test_trainstep import OVERFLOWS, _batches, _model, _params_equal, _plain_loop, _same
+from tests.test_trainstep import OVERFLOWS, _batches, _model, _params_equal, _same, o1_fp16_pair
 
 CAPTURABLE = {
     "sgd": lambda p: torch.optim.SGD(p, lr=0.05),
@@ -27,17 +27,8 @@ CAPTURABLE = {
 @pytest.mark.parametrize("opt_name", sorted(CAPTURABLE))
 @pytest.mark.parametrize("clip", [None, 0.5])
 def test_replayed_o1_fp16_steps_equal_the_plain_loop_with_overflows(opt_name, clip):
-    make_opt = CAPTURABLE[opt_name]
-    batches = _batches()
-    ref_model = _model()
-    ref_scaler = mixprec.GradScaler("cpu", growth_interval=5)
-    ref = _plain_loop(ref_model, make_opt(ref_model.parameters()), ref_scaler, batches,
-                      torch.float16, clip)  # fmt: skip
-
-    model = _model()
-    step = mixprec.TrainStep(model, make_opt(model.parameters()), F.cross_entropy, dtype="fp16",
-                             scaler=mixprec.GradScaler("cpu", growth_interval=5),
-                             clip_grad_norm=clip, warmup=2)  # fmt: skip
+    pair = o1_fp16_pair(CAPTURABLE[opt_name], clip, warmup=2)
+    batches, ref, ref_model, ref_scaler, model, step = pair
     backend = install(step)
     losses, captured = [], []
     for x, y in batches:
