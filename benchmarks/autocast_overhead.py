@@ -38,6 +38,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import mixprec
+from mixprec.bench.report import cpu_name
 
 
 class _EmptyMode(TorchFunctionMode):
@@ -121,17 +122,6 @@ def _measure(name: str, device: str, dtype: torch.dtype, rounds: int, steps: int
     return {"workload": name, "rows": rows}
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=30, help="interleaved rounds (default 30)")
@@ -148,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(_measure("gpu-bound", "cuda", torch.float16, max(args.rounds // 3, 5), 10))
         goals["gpu-bound"] = 1.02
 
-    print(f"torch {torch.__version__}, Python {platform.python_version()}, {_cpu_model()}, "
+    print(f"torch {torch.__version__}, Python {platform.python_version()}, {cpu_name()}, "
           f"{torch.get_num_threads()} CPU threads"
           + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""))  # fmt: skip
     ok = True
@@ -178,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__,
             "python": platform.python_version(),
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "cpu": _cpu_model(),
+            "cpu": cpu_name(),
             "cpu_threads": torch.get_num_threads(),
         }
         with open(args.json, "w") as fh:

@@ -25,7 +25,7 @@ import time
 import torch
 
 import mixprec
-from mixprec.bench.report import _cpu_name
+from mixprec.bench.report import cpu_name
 from mixprec.bench.workloads import WORKLOADS
 
 VARIANTS = ("no watch", "watch ops=False", "watch ops=True")
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.workloads.split(","):
         rows += measure(name.strip(), device, args.rounds, steps)
         print(f"measured {name}", file=sys.stderr)
-    where = torch.cuda.get_device_name() if device == "cuda" else _cpu_name()
+    where = torch.cuda.get_device_name() if device == "cuda" else cpu_name()
     print(f"{where} | torch {torch.__version__} | mixprec {mixprec.__version__}")
     print(f"{'workload':<10} {'variant':<17} {'ms/step':>9} {'x no watch':>11}")
     for r in rows:

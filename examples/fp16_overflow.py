@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from mixprec.bench.report import _cpu_name
+from mixprec.bench.report import cpu_name
 
 SEED = 0
 
@@ -154,7 +154,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"command": "python " + " ".join(sys.argv), "torch": torch.__version__,
                        "mixprec": mixprec.__version__, "python": platform.python_version(),
-                       "device": _cpu_name(),
+                       "device": cpu_name(),
                        "steps": args.steps, "runs": runs,
                        "diagnosis": watch.summary()}, f, indent=2)  # fmt: skip
 

@@ -49,7 +49,7 @@ def test_explain_reports_rules_and_ping_pong_of_linear_layernorm_linear():
     assert lin["ran_in"] == ["bf16"] * 3 and lin["outputs"] == ["bf16"]
     assert ln["inputs"][0] == "bf16" and ln["outputs"] == ["fp32"]
     assert "CPU lower list" in lin["reason"]
-    assert "policy edit" in ln["reason"] or "fp32" in ln["reason"]
+    assert ln["reason"] == "moved to fp32 by Policy.move"
     (chain,) = report.ping_pong
     assert chain["rows"] == [0, 1, 2]
     assert chain["path"] == "0:linear -> 1:layer_norm -> 2:linear"

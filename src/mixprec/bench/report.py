@@ -18,8 +18,8 @@ import torch
 
 from mixprec._version import __version__
 
-__all__ = ["check_writable", "metadata", "render_table", "require_matplotlib", "write_json",
-           "write_plot"]  # fmt: skip
+__all__ = ["check_writable", "cpu_name", "metadata", "render_table", "require_matplotlib",
+           "write_json", "write_plot"]  # fmt: skip
 
 
 class OutputError(Exception):
@@ -56,7 +56,8 @@ def require_matplotlib() -> Any:
     return plt
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (from /proc/cpuinfo where there is one), for result metadata."""
     try:
         with open("/proc/cpuinfo") as fh:
             for line in fh:
@@ -74,7 +75,7 @@ def metadata(device: str) -> dict[str, Any]:
         "mixprec": __version__,
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "device_name": torch.cuda.get_device_name() if device == "cuda" else _cpu_name(),
+        "device_name": torch.cuda.get_device_name() if device == "cuda" else cpu_name(),
         "cpu_threads": torch.get_num_threads(),
     }
 

@@ -192,6 +192,7 @@ class watch_nonfinite:
         self._ring: torch.Tensor | None = None  # (history, 4): idx, module idx, peak, is-nan
         self._first: torch.Tensor | None = None  # (5,): step, idx, module idx, peak, is-nan
         self._last: torch.Tensor | None = None  # last step's magnitudes
+        self._ring_read: tuple[int, list[list[float]]] | None = None  # (steps folded, ring)
         self._op_mode: _OpChecks | None = None
         self._remove_listener: Callable[[], None] | None = None
         self._update_at_start = 0
@@ -356,12 +357,21 @@ class watch_nonfinite:
             return None
         return self._event(int(rec[0]), rec[1:])
 
-    def events(self) -> list[NonFiniteEvent]:
-        """The first non-finite value of each of the last `history` steps that had one. Syncs."""
+    def _read_ring(self) -> list[list[float]] | None:
+        """Fold, then the per-step records on the host: one sync, reused until the next fold."""
         self._fold()
         if self._ring is None:
+            return None
+        steps = len(self._step_meta)
+        if self._ring_read is None or self._ring_read[0] != steps:
+            self._ring_read = (steps, self._ring.tolist())
+        return self._ring_read[1]
+
+    def events(self) -> list[NonFiniteEvent]:
+        """The first non-finite value of each of the last `history` steps that had one. Syncs."""
+        ring = self._read_ring()
+        if ring is None:
             return []
-        ring = self._ring.tolist()
         steps = len(self._step_meta)
         out = []
         for step in range(max(0, steps - self.history), steps):
@@ -406,11 +416,10 @@ class watch_nonfinite:
                 for m, v in zip(meta, values, strict=True) if m[3]]  # fmt: skip
 
     def _on_skip(self, event: Any) -> None:
-        # Called by the attached scaler while it reads its counters (already a sync point).
-        self._fold()
-        assert self._ring is not None
-        ring = self._ring.tolist()
-        steps = len(self._step_meta)
+        # Called by the attached scaler while it reads its counters (already a sync point), once
+        # per skipped update of the batch: the ring is read once for all of them.
+        ring = self._read_ring()
+        steps = len(self._step_meta) if ring is not None else 0
         found = None
         for step in range(max(0, steps - self.history), steps):
             if self._step_update[step] == event.step:
