@@ -1,13 +1,15 @@
-"""Importable helpers for tests that need a function with a dotted path."""
+"""Helpers shared by the tests (and functions that need a dotted path)."""
 
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 from unittest import mock
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixprec
 
@@ -39,3 +41,17 @@ def no_host_reads() -> Iterator[None]:
         for name in names:
             stack.enter_context(mock.patch.object(torch.Tensor, name, refuse))
         yield
+
+
+class CastCounter(TorchDispatchMode):
+    """Counts aten._to_copy calls by (source dtype -> target dtype), below autograd."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.casts: Counter[tuple[torch.dtype, torch.dtype]] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default:
+            self.casts[(args[0].dtype, kwargs.get("dtype", args[0].dtype))] += 1
+        return func(*args, **kwargs)

@@ -13,7 +13,8 @@ EXPECTED = [
     "TrainStep", "TrainStepError",
     "ExplainReport", "NonFiniteEvent", "ScaleHistory", "UnderflowReport", "explain",
     "grad_underflow", "scale_history", "watch_nonfinite",
-    "__version__", "autocast", "custom_bwd", "custom_fwd", "default_dtype", "describe",
+    "__version__", "autocast", "checkpoint_context", "custom_bwd", "custom_fwd", "default_dtype",
+    "describe",
     "float_function", "get_autocast_dtype", "get_autocast_policy", "half_function", "initialize",
     "is_autocast_enabled", "master_params", "promote_function", "scale_loss", "update_scale",
 ]  # fmt: skip

@@ -18,6 +18,7 @@ from mixprec.diagnostics import (
 from mixprec.dtypes import default_dtype
 from mixprec.eager import (
     autocast,
+    checkpoint_context,
     custom_bwd,
     custom_fwd,
     float_function,
@@ -61,6 +62,7 @@ __all__ = [
     "UnderflowReport",
     "__version__",
     "autocast",
+    "checkpoint_context",
     "custom_bwd",
     "custom_fwd",
     "default_dtype",

@@ -27,8 +27,14 @@ from torch.utils._pytree import tree_flatten
 from mixprec.dtypes import dtype_name, parse_device_type
 from mixprec.eager.autocast import autocast
 from mixprec.eager.mode import AutocastMode, find_mode
-from mixprec.eager.rules import ArgumentSwitch, DecomposeRule, DeviceSwitch, ReentryRule, Rule
-from mixprec.eager.table import MISS
+from mixprec.eager.rules import (
+    ArgumentSwitch,
+    DecomposeRule,
+    DeviceSwitch,
+    Guarded,
+    ReentryRule,
+    Rule,
+)
 from mixprec.errors import MixprecError
 from mixprec.policy.categories import OpCategory
 from mixprec.policy.entrypoints import op_name
@@ -137,7 +143,7 @@ class _Recorder(AutocastMode):
 
     def _reason(self, name: str, category: str, func: Any, rule: Any, args: tuple) -> str:
         # The region in force decides (a model may open its own, e.g. an O1 model's policy).
-        device = rule.device_type if isinstance(rule, Rule) else None
+        device = rule.device_type if isinstance(rule, (Rule, Guarded)) else None
         if device is None:
             device = next((t.device.type for t in _tensors(args)), None)
         region = next((r for r in self.regions if r[0] == device), None)
@@ -156,9 +162,7 @@ class _Recorder(AutocastMode):
         return hit
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        rule = self.memo.get(func, MISS)
-        if rule is MISS:
-            rule = self.table.classify(func)
+        rule = self.lookup(func)
         if self._busy or isinstance(rule, (ReentryRule, DecomposeRule)):
             # A Python-level function re-entered under the mode: its inner calls get the rows.
             if rule is None:
@@ -242,8 +246,10 @@ def _category(rule: Any, args: tuple, kwargs: dict | None) -> str:
         return OpCategory.PASSTHROUGH.value
     if isinstance(rule, Rule):
         return rule.category.value
+    if isinstance(rule, Guarded):
+        return _category(rule.inner, args, kwargs)
     if isinstance(rule, ArgumentSwitch):
-        inner = rule.rules.get(rule.resolve(args, kwargs or {}) or "")
+        inner = rule.rules.get(rule.resolve(args, kwargs or {}) or "", rule.other)
         return _category(inner, args, kwargs)
     if isinstance(rule, DeviceSwitch):
         for t in _tensors((args, kwargs)):

@@ -7,6 +7,7 @@ from mixprec.eager.autocast import (
     is_autocast_enabled,
 )
 from mixprec.eager.custom import (
+    checkpoint_context,
     custom_bwd,
     custom_fwd,
     float_function,
@@ -16,6 +17,7 @@ from mixprec.eager.custom import (
 
 __all__ = [
     "autocast",
+    "checkpoint_context",
     "custom_bwd",
     "custom_fwd",
     "float_function",

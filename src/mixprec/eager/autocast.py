@@ -16,7 +16,7 @@ import torch
 from torch.overrides import _pop_mode, _push_mode
 
 from mixprec.dtypes import default_dtype, parse_device_type, parse_dtype, resolve_dtype
-from mixprec.eager.mode import AutocastMode, find_mode
+from mixprec.eager.mode import AutocastMode, find_mode, torch_state
 from mixprec.eager.table import Region
 from mixprec.errors import AutocastError
 from mixprec.policy.policy import DEFAULT_POLICY, Policy
@@ -24,6 +24,9 @@ from mixprec.policy.policy import DEFAULT_POLICY, Policy
 __all__ = ["autocast", "get_autocast_dtype", "get_autocast_policy", "is_autocast_enabled"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+_enabled = torch.is_autocast_enabled
+_dtype = torch.get_autocast_dtype
 
 
 class autocast:
@@ -35,6 +38,11 @@ class autocast:
     ``torch.autocast`` does, op for op; edit the policy to change any op.
 
     Wrap the forward pass and the loss only: backward ops run in the dtype their forward ops used.
+
+    The region sets torch's own autocast state as ``torch.autocast`` would (enabled, dtype, cache
+    flag), so model code that asks ``torch.is_autocast_enabled()``, opens
+    ``torch.autocast(enabled=False)`` or uses ``torch.amp.custom_fwd`` behaves as it does under
+    torch.autocast; nested torch regions switch mixprec off or change its dtype in turn.
 
     Args:
         device_type: ``'cuda'``, ``'cpu'``, ``'xpu'`` or ``'mps'``. Tensors on other devices, fp64
@@ -54,8 +62,9 @@ class autocast:
         AutocastError: bf16 on a CUDA GPU without bf16 support.
 
     Costs:
-        Each torch call in the region pays a Python-level dispatch (about a microsecond), and the
-        casts themselves. No host-device synchronisation.
+        Each torch call in the region pays a Python-level dispatch (about a microsecond; calls
+        with a rule also read torch's autocast state), and the casts themselves. No host-device
+        synchronisation.
 
     Examples:
         >>> model = torch.nn.Linear(4, 4)
@@ -109,7 +118,8 @@ class autocast:
         #: Why `dtype` was chosen (argument, policy or device default).
         self.dtype_reason: str = choice.reason
         self.cache_enabled = cache_enabled
-        self._frames: list[tuple[AutocastMode | None, tuple[Region, ...], bool, bool]] = []
+        self._dtype_given = dtype is not None
+        self._frames: list[tuple[AutocastMode | None, tuple[Region, ...], bool, tuple]] = []
 
     def __repr__(self) -> str:
         return (
@@ -118,33 +128,45 @@ class autocast:
         )
 
     def __enter__(self) -> autocast:
+        dev = self.device_type
+        # torch's autocast state first, exactly as torch.autocast sets it: model code reads it
+        # (torch.is_autocast_enabled, torch.amp.custom_fwd, torch.utils.checkpoint) and nested
+        # torch.autocast regions change it; the mode reads it back before every rule.
+        saved = (_enabled(dev), _dtype(dev), torch.is_autocast_cache_enabled())
+        torch.set_autocast_enabled(dev, self.enabled)
+        if self.enabled or self._dtype_given:
+            torch.set_autocast_dtype(dev, self.dtype)
+        torch.autocast_increment_nesting()
+        if self.cache_enabled is not None:
+            torch.set_autocast_cache_enabled(self.cache_enabled)
+
         mode = find_mode()
         prev_regions = mode.regions if mode is not None else ()
-        prev_cache = mode.cache_enabled if mode is not None else True
-        regions = tuple(r for r in prev_regions if r[0] != self.device_type)
+        regions = tuple(r for r in prev_regions if r[0] != dev)
         if self.enabled:
-            regions = tuple(sorted((*regions, (self.device_type, self.dtype, self.policy)),
-                                   key=lambda r: r[0]))  # fmt: skip
-        cache = prev_cache if self.cache_enabled is None else self.cache_enabled
+            regions = tuple(sorted((*regions, (dev, self.dtype, self.policy)), key=lambda r: r[0]))
         pushed = False
-        if mode is None:
-            if not regions:
-                # Nothing enabled and no region open: a true no-op (no mode, no dispatch cost).
-                self._frames.append((None, (), True, False))
-                return self
+        if mode is None and regions:
             mode = AutocastMode()
             _push_mode(mode)
             pushed = True
-        mode.depth += 1
-        mode.set_state(regions, cache)
-        self._frames.append((mode, prev_regions, prev_cache, pushed))
+        if mode is not None:
+            mode.depth += 1
+            mode.set_state(regions)
+        self._frames.append((mode, prev_regions, pushed, saved))
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        mode, prev_regions, prev_cache, pushed = self._frames.pop()
+        mode, prev_regions, pushed, saved = self._frames.pop()
+        dev = self.device_type
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()
+        torch.set_autocast_enabled(dev, saved[0])
+        torch.set_autocast_dtype(dev, saved[1])
+        torch.set_autocast_cache_enabled(saved[2])
         if mode is None:
             return
-        mode.set_state(prev_regions, prev_cache)
+        mode.set_state(prev_regions)
         mode.depth -= 1
         if mode.depth == 0:
             mode.cache.clear()  # cast weights live for one outermost region only
@@ -170,32 +192,39 @@ class autocast:
         return decorate_autocast  # type: ignore[return-value]
 
 
-def _region(device_type: str) -> Region | None:
+def _in_force() -> tuple[Region, ...]:
     mode = find_mode()
-    if mode is None:
-        return None
-    for region in mode.regions:
+    return () if mode is None else torch_state(mode.regions)
+
+
+def _region(device_type: str) -> Region | None:
+    """The mixprec region in force on `device_type`: torch's state may have switched it off
+    (a nested ``torch.autocast(enabled=False)``) or changed its dtype."""
+    for region in _in_force():
         if region[0] == device_type:
             return region
     return None
 
 
 def is_autocast_enabled(device_type: str | None = None) -> bool:
-    """Whether a mixprec.autocast region is enabled on this thread (for `device_type`, or any)."""
+    """Whether a mixprec.autocast region is in force on this thread (for `device_type`, or any).
+
+    A nested ``torch.autocast(device_type, enabled=False)`` takes the region out of force until
+    it exits, as it would a torch.autocast region.
+    """
     if device_type is None:
-        mode = find_mode()
-        return mode is not None and bool(mode.regions)
+        return bool(_in_force())
     return _region(parse_device_type(device_type)) is not None
 
 
 def get_autocast_dtype(device_type: str) -> torch.dtype:
-    """The low dtype of the enabled region on `device_type`, else the device default."""
+    """The low dtype of the region in force on `device_type`, else the device default."""
     device_type = parse_device_type(device_type)
     region = _region(device_type)
     return region[1] if region is not None else default_dtype(device_type).dtype
 
 
 def get_autocast_policy(device_type: str) -> Policy | None:
-    """The policy of the enabled region on `device_type`, or None outside such a region."""
+    """The policy of the region in force on `device_type`, or None outside such a region."""
     region = _region(parse_device_type(device_type))
     return region[2] if region is not None else None

@@ -14,20 +14,28 @@ modified.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar, overload
 
 import torch
 from torch.overrides import handle_torch_function, has_torch_function
 
 from mixprec.dtypes import parse_device_type, parse_dtype
-from mixprec.eager.autocast import _region, autocast
+from mixprec.eager.autocast import _in_force, _region, autocast
 from mixprec.eager.table import declared_functions
 from mixprec.policy.categories import OpCategory
 from mixprec.policy.policy import CATEGORY_ATTR
 
-__all__ = ["custom_bwd", "custom_fwd", "float_function", "half_function", "promote_function"]
+__all__ = [
+    "checkpoint_context",
+    "custom_bwd",
+    "custom_fwd",
+    "float_function",
+    "half_function",
+    "promote_function",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -160,3 +168,33 @@ def float_function(fn: F) -> F:
 def promote_function(fn: F) -> F:
     """Run `fn` in the widest floating dtype among its inputs inside mixprec regions."""
     return _declare(OpCategory.PROMOTE, fn)
+
+
+@contextlib.contextmanager
+def _reenter(regions: tuple) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for device, dtype, policy in regions:
+            stack.enter_context(autocast(device, dtype=dtype, policy=policy))
+        yield
+
+
+def checkpoint_context() -> tuple[contextlib.AbstractContextManager, ...]:
+    """A ``context_fn`` for ``torch.utils.checkpoint``: recompute under the forward's regions.
+
+    Activation checkpointing recomputes a block's forward during backward, under the autocast
+    state it saw in the forward, which it restores with ``torch.autocast``, i.e. torch's lists.
+    With the default policy those give mixprec's dtypes exactly and nothing is needed. With an
+    edited policy the recomputed tensors would differ from the forward's (non-reentrant
+    checkpointing then raises ``CheckpointError``); pass this function as ``context_fn`` and
+    the recompute re-enters the mixprec regions (device, dtype, policy) of the forward.
+    Reentrant checkpointing (``use_reentrant=True``) takes no ``context_fn``: use the
+    non-reentrant form with edited policies.
+
+    Examples:
+        >>> y = torch.utils.checkpoint.checkpoint(
+        ...     block, x, use_reentrant=False, context_fn=mixprec.checkpoint_context)
+        >>> model.gradient_checkpointing_enable(  # Transformers
+        ...     gradient_checkpointing_kwargs={"use_reentrant": False,
+        ...                                    "context_fn": mixprec.checkpoint_context})
+    """
+    return contextlib.nullcontext(), _reenter(_in_force())

@@ -29,6 +29,7 @@ __all__ = [
     "ArgumentSwitch",
     "DecomposeRule",
     "DeviceSwitch",
+    "Guarded",
     "ReentryRule",
     "Rule",
     "make_rule",
@@ -38,6 +39,8 @@ Tensor = torch.Tensor
 _FP32 = torch.float32
 _is_compiling = torch.compiler.is_compiling
 _grad_enabled = torch.is_grad_enabled
+_cache_enabled = torch.is_autocast_cache_enabled
+_set_enabled = torch.set_autocast_enabled
 _FLOATS = frozenset(
     d for d in vars(torch).values()
     if isinstance(d, torch.dtype) and d.is_floating_point and d is not torch.float64
@@ -76,8 +79,13 @@ def _convert(value: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def _weight_cache(mode: Any) -> dict | None:
-    """The region's weight-cast cache, or None when caching is off or torch.compile traces."""
-    return mode.cache if mode.cache_enabled and not _is_compiling() else None
+    """The region's weight-cast cache, or None when caching is off or torch.compile traces.
+
+    The switch is torch's autocast cache flag, which a region's ``cache_enabled`` sets (and a
+    nested ``torch.autocast(cache_enabled=False)`` clears)."""
+    if _is_compiling() or not _cache_enabled():
+        return None
+    return mode.cache
 
 
 def _cast_one(cache: dict | None, value: Tensor, target: torch.dtype) -> Tensor:
@@ -321,6 +329,44 @@ def make_rule(
     return _RULE_CLASSES[category](device_type, low, keep, restore)
 
 
+class Guarded:
+    """Run a call with torch's own (dispatcher-level) autocast off for one device type.
+
+    A mixprec region switches torch's autocast state on, so that model code sees it; torch's
+    dispatcher then applies *its* lists to every aten op below the mode. Where the policy agrees
+    with torch's list for the device, that second pass finds the inputs already cast and does
+    nothing. Where they differ (an edited policy, another base table, a user function whose
+    body must run with autocast off, a composite mixprec deliberately runs in its input dtype),
+    the call runs under this guard, so the decision stays the policy's.
+
+    Cost: two C calls around the call (about 0.3 us); traced by torch.compile as two state
+    changes, no graph break.
+    """
+
+    __slots__ = ("device_type", "inner")
+
+    def __init__(self, inner: Any, device_type: str) -> None:
+        self.inner = inner  # a rule, or None: pass the call through
+        self.device_type = device_type
+
+    def __repr__(self) -> str:
+        return f"Guarded({self.inner!r}, {self.device_type})"
+
+    @property
+    def category(self) -> OpCategory:
+        return getattr(self.inner, "category", OpCategory.PASSTHROUGH)
+
+    def __call__(self, mode: Any, func: Callable[..., Any], args: tuple, kwargs: dict | None):
+        dev = self.device_type
+        _set_enabled(dev, False)
+        try:
+            if self.inner is None:
+                return func(*args, **kwargs) if kwargs else func(*args)
+            return self.inner(mode, func, args, kwargs)
+        finally:
+            _set_enabled(dev, True)
+
+
 class ReentryRule:
     """Run a Python-level torch function's body under the mode, so its inner ops get the policy."""
 
@@ -361,14 +407,20 @@ class ReentryRule:
 class ArgumentSwitch:
     """A composite whose inner op depends on its arguments (``pad``): decide per call."""
 
-    __slots__ = ("resolve", "rules")
+    __slots__ = ("other", "resolve", "rules")
 
-    def __init__(self, resolve: Callable[[tuple, Any], str | None], rules: dict[str, Rule]) -> None:
+    def __init__(
+        self,
+        resolve: Callable[[tuple, Any], str | None],
+        rules: dict[str, Any],
+        other: Any = None,
+    ) -> None:
         self.resolve = resolve
-        self.rules = rules  # inner op name -> rule (names the table does not list pass)
+        self.rules = rules  # inner op name -> rule
+        self.other = other  # the rule for calls whose inner op the table does not list, or None
 
     def __call__(self, mode: Any, func: Callable[..., Any], args: tuple, kwargs: dict | None):
-        rule = self.rules.get(self.resolve(args, kwargs or {}) or "")
+        rule = self.rules.get(self.resolve(args, kwargs or {}) or "", self.other)
         if rule is None:
             return func(*args, **kwargs) if kwargs else func(*args)
         return rule(mode, func, args, kwargs)

@@ -27,13 +27,14 @@ from mixprec.eager.rules import (
     ArgumentSwitch,
     DecomposeRule,
     DeviceSwitch,
+    Guarded,
     ReentryRule,
-    Rule,
     make_rule,
 )
 from mixprec.policy.categories import OpCategory
+from mixprec.policy.decompositions import KNOWN_DEVIATIONS
 from mixprec.policy.entrypoints import entry_points, op_name
-from mixprec.policy.policy import CATEGORY_ATTR, Policy, ResolvedPolicy
+from mixprec.policy.policy import CATEGORY_ATTR, DEFAULT_POLICY, Policy, ResolvedPolicy
 
 __all__ = ["MISS", "DispatchTable", "Region", "declared_functions", "table_handle", "tables"]
 
@@ -60,15 +61,23 @@ class DispatchTable:
     def __init__(self, resolved: tuple[ResolvedPolicy, ...]) -> None:
         self.resolved = resolved
         self.memo: dict[Any, Any] = {}
-        self._rules: dict[tuple[Any, ...], Rule] = {}
+        self._rules: dict[tuple[Any, ...], Any] = {}
         ruled: set[str] = set()
+        watched: set[str] = set()  # passed through, but kept out of torch's dispatcher
         per_func: dict[Any, dict[str, Any]] = {}
         for rp in resolved:
+            ref = _torch_reference(rp.device_type, rp.dtype)
             for name, cat in rp.ops.items():
                 if cat is OpCategory.PASSTHROUGH:
                     continue
                 ruled.add(name)
-                rule = self._rule(rp, cat, keep=rp.keep.get(name, ()), restore=name in rp.restore)
+                rule = self._rule(
+                    rp,
+                    cat,
+                    keep=rp.keep.get(name, ()),
+                    restore=name in rp.restore,
+                    guard=_differs(rp, ref, name),
+                )
                 for fn in entry_points(name):
                     per_func.setdefault(fn, {})[rp.device_type] = rule
             for name, via in rp.dynamic.items():
@@ -76,19 +85,30 @@ class DispatchTable:
                 if via.decompose is not None:
                     special: Any = DecomposeRule(via.decompose)
                 else:
-                    inner = {
-                        n: self._rule(rp, c)
+                    hands_off = Guarded(None, rp.device_type)
+                    inner = dict.fromkeys(_torch_touches(rp.device_type, rp.dtype), hands_off)
+                    inner.update(
+                        (n, self._rule(rp, c, guard=_differs(rp, ref, n)))
                         for n, c in rp.ops.items()
                         if c is not OpCategory.PASSTHROUGH
-                    }
-                    special = ArgumentSwitch(via.resolve, inner)  # type: ignore[arg-type]
+                    )
+                    other = hands_off if name in KNOWN_DEVIATIONS else None
+                    special = ArgumentSwitch(via.resolve, inner, other)  # type: ignore[arg-type]
                 for fn in entry_points(name):
                     per_func.setdefault(fn, {})[rp.device_type] = special
+            # Ops the policy passes through but torch's dispatcher would cast (an edit took them
+            # out of a list, another base table, documented deviations): keep torch's hands off.
+            hands_off = Guarded(None, rp.device_type)
+            for name in _torch_touches(rp.device_type, rp.dtype) - ruled:
+                watched.add(name)
+                for fn in entry_points(name):
+                    per_func.setdefault(fn, {}).setdefault(rp.device_type, hands_off)
         for fn, by_dev in per_func.items():
             self.memo[fn] = self._combine(by_dev)
         self._reentry_names = None
         if resolved:
-            self._reentry_names = composites.transparent_names(frozenset(ruled))
+            # Python wrappers reaching any of these must run their body under the mode.
+            self._reentry_names = composites.transparent_names(frozenset(ruled | watched))
             # Enter what a compile trace may meet, so tracing never has to classify.
             # (Direct _classify: this may run at trace time, where `classify` declines.)
             for fn in (*composites.torch_python_functions(), *list(_DECLARED)):
@@ -101,11 +121,14 @@ class DispatchTable:
         cat: OpCategory,
         keep: tuple[int | str, ...] = (),
         restore: bool = False,
-    ) -> Rule:
-        key = (rp.device_type, cat, keep, restore)
+        guard: bool = False,
+    ) -> Any:
+        key = (rp.device_type, cat, keep, restore, guard)
         rule = self._rules.get(key)
         if rule is None:
             rule = make_rule(cat, rp.device_type, rp.dtype, keep, restore)
+            if guard:
+                rule = Guarded(rule, rp.device_type)
             self._rules[key] = rule
         return rule
 
@@ -125,21 +148,24 @@ class DispatchTable:
         return rule
 
     def _classify(self, func: Any) -> Any:
-        by_dev: dict[str, Rule] = {}
+        by_dev: dict[str, Any] = {}
         name = op_name(func)
         declared = getattr(func, CATEGORY_ATTR, None)
         for rp in self.resolved:
             cat = None
             with contextlib.suppress(TypeError):
                 cat = rp.functions.get(func)
-            if cat is None and name is not None:
-                cat = rp.ops.get(name)
+            by_op = cat is None and name is not None and name in rp.ops
+            if by_op:
+                cat = rp.ops[name]
             if cat is None and declared is not None:
                 cat = declared
             if cat is not None and cat is not OpCategory.PASSTHROUGH:
                 # For a callable (not an op binding) the rule casts its inputs; its body then
-                # runs with the mode popped, i.e. with autocast off, as documented.
-                by_dev[rp.device_type] = self._rule(rp, cat)
+                # runs with the mode popped and torch's autocast off, i.e. with autocast off,
+                # as documented.
+                guard = not by_op or _differs(rp, _torch_reference(rp.device_type, rp.dtype), name)
+                by_dev[rp.device_type] = self._rule(rp, cat, guard=guard)
         if by_dev:
             return self._combine(by_dev)
         if (
@@ -149,6 +175,35 @@ class DispatchTable:
         ):
             return ReentryRule(func)
         return None
+
+
+@functools.lru_cache(maxsize=32)
+def _torch_reference(device_type: str, dtype: torch.dtype) -> ResolvedPolicy:
+    """What torch's dispatcher does in an autocast region on `device_type`: the default policy
+    (torch.autocast's lists for that device, checked op for op by the test suite)."""
+    return DEFAULT_POLICY.resolve(device_type, dtype)
+
+
+def _spec(rp: ResolvedPolicy, name: str) -> tuple[Any, ...]:
+    return (
+        rp.ops.get(name, OpCategory.PASSTHROUGH),
+        rp.keep.get(name, ()),
+        name in rp.restore,
+        rp.dynamic.get(name),
+    )
+
+
+def _differs(rp: ResolvedPolicy, ref: ResolvedPolicy, name: str | None) -> bool:
+    """Whether the policy treats op `name` otherwise than torch's dispatcher would."""
+    return name is None or name in KNOWN_DEVIATIONS or _spec(rp, name) != _spec(ref, name)
+
+
+@functools.lru_cache(maxsize=32)
+def _torch_touches(device_type: str, dtype: torch.dtype) -> frozenset[str]:
+    """Op names whose calls torch's dispatcher may cast (or mixprec documents as deviating)."""
+    ref = _torch_reference(device_type, dtype)
+    touched = {n for n, c in ref.ops.items() if c is not OpCategory.PASSTHROUGH}
+    return frozenset(touched | set(ref.dynamic) | set(KNOWN_DEVIATIONS))
 
 
 EMPTY = DispatchTable(())
