@@ -312,3 +312,13 @@ def test_mode_pushes_and_pops_exactly_once():
     ):
         pass
     assert push.call_count == 1
+
+
+def test_decorating_a_non_callable_names_the_context_manager_form():
+    with pytest.raises(TypeError) as err:
+        mixprec.autocast("cpu")(42)  # type: ignore[arg-type]
+    assert str(err.value) == (
+        "mixprec.autocast(...)(func) decorates a function, but got int 42. Did you mean to use "
+        "it as a context manager? For example:\n    with mixprec.autocast('cpu'):\n"
+        "        output = model(input)"
+    )

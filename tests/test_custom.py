@@ -138,11 +138,6 @@ def test_policy_overrides_a_decorated_default():
     assert "registered as fp32 by its mixprec decorator" in reason
 
 
-def test_decorator_rejects_non_callables():
-    with pytest.raises(TypeError, match="expected a function"):
-        mixprec.half_function(3)  # type: ignore[arg-type]
-
-
 # ----------------------------------------------------------------------------------- custom ops
 
 
@@ -182,3 +177,21 @@ def test_binary_cross_entropy_is_allowed_on_cpu():
     with mixprec.autocast("cpu"):
         out = torch.nn.functional.binary_cross_entropy(torch.rand(3), torch.rand(3))
     assert out.dtype == FP32
+
+
+@pytest.mark.parametrize(
+    "decorate, name",
+    [
+        (mixprec.half_function, "half_function"),
+        (mixprec.float_function, "float_function"),
+        (lambda f: mixprec.custom_fwd(f, device_type="cpu"), "custom_fwd"),
+        (lambda f: mixprec.custom_bwd(f, device_type="cpu"), "custom_bwd"),
+    ],
+)
+def test_decorators_refuse_non_callables(decorate, name):
+    with pytest.raises(TypeError) as err:
+        decorate(42)
+    assert str(err.value) == (
+        f"mixprec.{name} decorates a function, got int 42. Use it as @mixprec.{name} "
+        f"(or @mixprec.{name}(...)) on a def."
+    )

@@ -213,7 +213,7 @@ def test_error_unknown_table():
 def test_error_bad_string_items():
     with pytest.raises(mixprec.PolicyError, match="not of the form key=value"):
         Policy.from_string("fp32")
-    with pytest.raises(mixprec.PolicyError, match="unknown op category"):
+    with pytest.raises(mixprec.PolicyError, match="unknown policy key 'fast'"):
         Policy.from_string("fast=mm")
     with pytest.raises(mixprec.PolicyError, match="cannot import 'nope.nothing'"):
         Policy.from_string("fp32=nope.nothing")
@@ -259,3 +259,48 @@ def test_compat_constant_marker_matches_torch():
     torch.compiler.assume_constant_result(f)
     mark_constant_result(g)
     assert getattr(f, _DYNAMO_CONSTANT_ATTR) is True and getattr(g, _DYNAMO_CONSTANT_ATTR) is True
+
+
+# ------------------------------------------------------------ slips in the string form
+
+
+def test_string_form_misspelled_key_suggests_the_key():
+    with pytest.raises(mixprec.PolicyError) as err:
+        Policy.from_string("compte=bf16")
+    assert str(err.value).startswith(
+        "unknown policy key 'compte'. Did you mean 'compute' or 'promote'? Valid policy keys: "
+        "'banned', 'compute', 'fp32', 'fp32_output', 'lower', 'passthrough', 'promote' or "
+        "'table'. In 'compte=bf16', the part before '=' is 'compute', 'table' or an op category"
+    )
+    with pytest.raises(mixprec.PolicyError, match="Did you mean 'table'\\?"):
+        Policy.from_string("tabel=cuda")
+    with pytest.raises(mixprec.PolicyError, match="Did you mean 'fp32'\\?"):
+        Policy.from_string("fp23=softmax")
+
+
+def test_string_form_wrong_separators_name_the_right_one():
+    with pytest.raises(mixprec.PolicyError, match="separate items with ','"):
+        Policy.from_string("compute=bf16;fp32=softmax")
+    with pytest.raises(mixprec.PolicyError, match="join several ops with '\\+'"):
+        Policy.from_string("fp32=softmax layer_norm")
+
+
+def test_overrides_must_be_edits():
+    with pytest.raises(mixprec.PolicyError, match=r"takes Override objects, got str 'softmax'"):
+        Policy(overrides=["softmax"])  # type: ignore[list-item]
+
+
+def test_device_type_aliases_are_answered_with_the_device():
+    with pytest.raises(mixprec.PolicyError) as err:
+        mixprec.autocast("gpu")
+    assert str(err.value).startswith("unknown device type 'gpu'. Did you mean 'cuda'? Valid")
+
+
+def test_non_16_bit_compute_message_names_both_fixes():
+    with pytest.raises(mixprec.PolicyError) as err:
+        Policy(compute="fp32")
+    assert str(err.value) == (
+        "the compute dtype must be 16-bit, got 'fp32'. Valid compute dtypes: 'bf16' or 'fp16'. "
+        "To keep work in fp32, disable the region (autocast(..., enabled=False)) or move ops in "
+        "the policy (Policy().move('softmax', to='fp32'))."
+    )

@@ -59,6 +59,9 @@ _DEVICE_DEFAULTS: dict[str, tuple[torch.dtype, str]] = {
     "mps": (torch.float16, "MPS default: fp16, as torch.autocast uses on Apple GPUs"),
 }
 
+# Names people use for a device type that torch spells otherwise (suggested, never accepted).
+_DEVICE_ALIASES = {"gpu": "cuda", "nvidia": "cuda", "rocm": "cuda", "hip": "cuda", "apple": "mps"}
+
 #: Device types mixprec.autocast accepts.
 DEVICE_TYPES: tuple[str, ...] = tuple(_DEVICE_DEFAULTS)
 
@@ -103,8 +106,10 @@ def parse_dtype(value: str | torch.dtype, *, low_only: bool = False) -> torch.dt
     if low_only and dtype not in LOW_DTYPES:
         names = [dtype_name(d) for d in LOW_DTYPES]
         raise PolicyError(
-            f"autocast computes in a 16-bit dtype, got {dtype_name(dtype)!r}. Valid compute "
-            f"dtypes: {format_options(names)}. To run a region in fp32, use enabled=False."
+            f"the compute dtype must be 16-bit, got {dtype_name(dtype)!r}. Valid compute "
+            f"dtypes: {format_options(names)}. To keep work in fp32, disable the region "
+            f"(autocast(..., enabled=False)) or move ops in the policy "
+            f"(Policy().move('softmax', to='fp32'))."
         )
     return dtype
 
@@ -126,6 +131,7 @@ def parse_device_type(device_type: str | torch.device) -> str:
                 device_type,
                 DEVICE_TYPES,
                 hint="NVIDIA and AMD GPUs are 'cuda', Intel GPUs 'xpu', Apple GPUs 'mps'.",
+                aliases=_DEVICE_ALIASES,
             )
         )
     return name

@@ -8,7 +8,7 @@ hand, so a message cannot advertise an option that does not exist.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 __all__ = [
     "AutocastError",
@@ -47,12 +47,24 @@ def format_options(options: Iterable[object]) -> str:
     return ", ".join(quoted[:-1]) + " or " + quoted[-1]
 
 
-def unknown_value(kind: str, value: object, options: Iterable[object], hint: str = "") -> str:
-    """Build the message for an unknown name: what was given, close matches, the valid options."""
+def unknown_value(
+    kind: str,
+    value: object,
+    options: Iterable[object],
+    hint: str = "",
+    aliases: Mapping[str, str] | None = None,
+) -> str:
+    """Build the message for an unknown name: what was given, close matches, the valid options.
+
+    `aliases` maps names people use for an option (``'gpu'``) to the option itself (``'cuda'``):
+    such a name is answered with its option rather than with spelling neighbours.
+    """
     opts = sorted({str(o) for o in options})
-    plural = kind[:-1] + "ies" if kind.endswith("y") else kind + "s"
+    consonant_y = kind.endswith("y") and kind[-2:-1] not in ("a", "e", "i", "o", "u")
+    plural = kind[:-1] + "ies" if consonant_y else kind + "s"
     msg = f"unknown {kind} {value!r}."
-    close = difflib.get_close_matches(str(value), opts, n=3, cutoff=0.6)
+    alias = (aliases or {}).get(str(value).strip().lower())
+    close = [alias] if alias else difflib.get_close_matches(str(value), opts, n=3, cutoff=0.6)
     if close:
         msg += f" Did you mean {format_options(close)}?"
     if len(opts) <= 40:

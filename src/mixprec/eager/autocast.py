@@ -181,6 +181,13 @@ class autocast:
 
     def __call__(self, func: F) -> F:
         """Use the region as a decorator: each call of `func` runs in a fresh region."""
+        if not callable(func):
+            raise TypeError(
+                f"mixprec.autocast(...)(func) decorates a function, but got "
+                f"{type(func).__name__} {func!r}. Did you mean to use it as a context manager? "
+                f"For example:\n    with mixprec.autocast({self.device_type!r}):\n"
+                f"        output = model(input)"
+            )
 
         @functools.wraps(func)
         def decorate_autocast(*a: Any, **kw: Any) -> Any:

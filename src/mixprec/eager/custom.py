@@ -82,6 +82,7 @@ def custom_fwd(fwd=None, *, device_type, cast_inputs=None):
     target = None if cast_inputs is None else parse_dtype(cast_inputs)
     if fwd is None:
         return functools.partial(custom_fwd, device_type=device, cast_inputs=target)
+    _require_callable("custom_fwd", fwd)
 
     @functools.wraps(fwd)
     def decorate_fwd(ctx: Any, *args: Any, **kwargs: Any) -> Any:
@@ -111,6 +112,7 @@ def custom_bwd(bwd=None, *, device_type):
     device = parse_device_type(device_type)
     if bwd is None:
         return functools.partial(custom_bwd, device_type=device)
+    _require_callable("custom_bwd", bwd)
 
     @functools.wraps(bwd)
     def decorate_bwd(ctx: Any, *args: Any, **kwargs: Any) -> Any:
@@ -131,9 +133,16 @@ def custom_bwd(bwd=None, *, device_type):
     return decorate_bwd
 
 
-def _declare(category: OpCategory, fn: F) -> F:
+def _require_callable(name: str, fn: object) -> None:
     if not callable(fn):
-        raise TypeError(f"expected a function to decorate, got {type(fn).__name__} {fn!r}.")
+        raise TypeError(
+            f"mixprec.{name} decorates a function, got {type(fn).__name__} {fn!r}. Use it as "
+            f"@mixprec.{name} (or @mixprec.{name}(...)) on a def."
+        )
+
+
+def _declare(category: OpCategory, fn: F, decorator: str) -> F:
+    _require_callable(decorator, fn)
 
     @functools.wraps(fn)
     def dispatchable(*args: Any, **kwargs: Any) -> Any:
@@ -157,17 +166,17 @@ def half_function(fn: F) -> F:
         >>> @mixprec.half_function
         ... def attention(q, k, v): ...
     """
-    return _declare(OpCategory.LOWER, fn)
+    return _declare(OpCategory.LOWER, fn, "half_function")
 
 
 def float_function(fn: F) -> F:
     """Run `fn` in fp32 inside mixprec regions: cast its floating inputs to fp32, autocast off."""
-    return _declare(OpCategory.FP32, fn)
+    return _declare(OpCategory.FP32, fn, "float_function")
 
 
 def promote_function(fn: F) -> F:
     """Run `fn` in the widest floating dtype among its inputs inside mixprec regions."""
-    return _declare(OpCategory.PROMOTE, fn)
+    return _declare(OpCategory.PROMOTE, fn, "promote_function")
 
 
 @contextlib.contextmanager

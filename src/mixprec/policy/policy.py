@@ -134,7 +134,15 @@ class Policy:
             object.__setattr__(self, "compute", parse_dtype(self.compute, low_only=True))
         if self.table is not None and self.table not in TABLES:
             raise PolicyError(unknown_value("op table", self.table, TABLES))
-        object.__setattr__(self, "overrides", tuple(self.overrides))
+        overrides = tuple(self.overrides)
+        bad = next((o for o in overrides if not isinstance(o, Override)), None)
+        if bad is not None:
+            raise PolicyError(
+                f"Policy(overrides=...) takes Override objects, got {type(bad).__name__} "
+                f"{bad!r}. Build edits with Policy().move({bad!r}, to='fp32') or "
+                f"Policy.from_string('fp32=...') instead."
+            )
+        object.__setattr__(self, "overrides", overrides)
 
     # ----- identity for compiled dispatch tables -----
 
@@ -325,15 +333,28 @@ class Policy:
                     f"policy item {raw!r} is not of the form key=value (e.g. 'compute=bf16' or "
                     f"'fp32=softmax+layer_norm')."
                 )
+            if ";" in value:
+                raise PolicyError(
+                    f"policy item {raw!r} contains ';': separate items with ',' (e.g. "
+                    f"'compute=bf16,fp32=softmax')."
+                )
             if key == "compute":
                 policy = policy.with_compute(None if value == "auto" else value)
             elif key == "table":
                 policy = policy.with_table(None if value == "auto" else value)
             else:
                 cat, _, scope = key.partition("@")
+                _parse_key(cat, raw)
                 device, _, dt = scope.partition("/")
+                ops = [t.strip() for t in value.split("+") if t.strip()]
+                spaced = next((t for t in ops if any(c.isspace() for c in t)), None)
+                if spaced is not None:
+                    raise PolicyError(
+                        f"policy item {raw!r}: {spaced!r} is not one op name; join several ops "
+                        f"with '+' (e.g. 'fp32=softmax+layer_norm')."
+                    )
                 policy = policy.move(
-                    *[t.strip() for t in value.split("+") if t.strip()],
+                    *ops,
                     to=cat,
                     device_type=None if device in ("", "any") else device,
                     dtype=dt or None,
@@ -360,6 +381,27 @@ class Policy:
 
     def __repr__(self) -> str:
         return f"Policy({str(self)!r})"
+
+
+_KEYS = ("compute", "table")
+
+
+def _parse_key(category: str, raw: str) -> OpCategory:
+    """The category named by a string-form key, or an error suggesting keys *and* categories."""
+    try:
+        return OpCategory.parse(category)
+    except PolicyError:
+        pass
+    names = [*_KEYS, *(c.value for c in OpCategory)]
+    raise PolicyError(
+        unknown_value(
+            "policy key",
+            category,
+            names,
+            hint=f"In {raw!r}, the part before '=' is 'compute', 'table' or an op category, "
+            f"optionally scoped as '<category>@<device>[/<dtype>]' (e.g. 'fp32@cuda/fp16').",
+        )
+    )
 
 
 def _callable_path(fn: Callable[..., Any]) -> str:
