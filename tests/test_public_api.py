@@ -8,7 +8,8 @@ import sys
 import mixprec
 
 EXPECTED = [
-    "AmpOptimizer", "AutocastError", "BannedOpError", "Decision", "GradScaler", "MixprecError",
+    "AmpBackend", "AmpOptimizer", "AutocastError", "BannedOpError", "CastReport", "Decision",
+    "GradScaler", "MixprecError", "compile",
     "OpCategory", "OptLevel", "Policy", "PolicyError", "ScaleConfig", "ScalerStateError",
     "TrainStep", "TrainStepError",
     "ExplainReport", "NonFiniteEvent", "ScaleHistory", "UnderflowReport", "explain",

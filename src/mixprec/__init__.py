@@ -29,6 +29,7 @@ from mixprec.eager import (
     promote_function,
 )
 from mixprec.errors import AutocastError, BannedOpError, MixprecError, PolicyError
+from mixprec.graph import AmpBackend, CastReport, compile
 from mixprec.levels import (
     AmpOptimizer,
     OptLevel,
@@ -42,9 +43,11 @@ from mixprec.scaling import GradScaler, ScaleConfig, ScalerStateError, update_sc
 from mixprec.step import TrainStep, TrainStepError
 
 __all__ = [
+    "AmpBackend",
     "AmpOptimizer",
     "AutocastError",
     "BannedOpError",
+    "CastReport",
     "Decision",
     "ExplainReport",
     "GradScaler",
@@ -63,6 +66,7 @@ __all__ = [
     "__version__",
     "autocast",
     "checkpoint_context",
+    "compile",
     "custom_bwd",
     "custom_fwd",
     "default_dtype",

@@ -68,8 +68,11 @@ class TrainStep:
         clip_grad_norm: clip the unscaled gradients (fp32 masters in O2) to this total norm
             inside the step; None: no clipping.
         capture: ``'auto'``, ``'cuda_graph'`` or ``'eager'`` (see `CAPTURE_MODES`).
-        compile: run the model through ``torch.compile`` (a dict is passed to it as keyword
-            arguments); the loss stays eager. Combines with capture.
+        compile: compile the model and the loss as one graph with ``torch.compile`` (a dict is
+            passed to it as keyword arguments). Under O1 the opt level's policy is applied to
+            the whole captured graph (`mixprec.AmpBackend`; the dict may also name the inner
+            ``backend`` and the ``casts`` mode), so the loss follows the policy too. Combines
+            with capture.
         warmup: eager steps per input signature before capturing it, counted while the
             optimizer's hyperparameters stay unchanged (lazy initialisation, cuDNN autotuning
             and compilation happen there).
@@ -81,6 +84,8 @@ class TrainStep:
         captured: whether the last call replayed a captured graph.
         reason: why the last call ran the way it did.
         notes: every automatic change made to the optimizer, with its reason.
+        amp_backend: with ``compile`` under O1, the `mixprec.AmpBackend` compiling the step
+            (its ``reports`` say which casts each graph makes and why); else None.
 
     Costs: a call does no host-device synchronisation. A capture synchronises once and holds
     a private memory pool (activations and gradients) per cached input signature.
@@ -160,6 +165,7 @@ class TrainStep:
             optimizer._scaling.scaler = scaler
         self._clip = None if clip_grad_norm is None else float(clip_grad_norm)
         self._user_loss = _loss_from(loss_fn, compute_loss)
+        self.amp_backend: Any = None
         self._loss = self._build_loss(compile)
         self._device = device
         self._warmup = warmup
@@ -194,12 +200,26 @@ class TrainStep:
         opts = self.options
         user = self._user_loss
         model: Any = self.model
+
+        def plain(*batch: Any) -> torch.Tensor:
+            return user(model, *batch)
+
         if compile:
-            # The model only: under torch.compile a torch function mode does not see the
-            # torch._C._nn functions behind F.cross_entropy, F.mse_loss and other losses
-            # (docs/policy.md, "torch.compile"), so the loss stays eager, where the policy
-            # puts it in fp32.
-            model = torch.compile(model, **(compile if isinstance(compile, dict) else {}))
+            # Model and loss in one compiled graph. O1 applies its policy to the whole captured
+            # graph (mixprec.graph), losses included, which no function mode would see there.
+            kwargs = dict(compile) if isinstance(compile, dict) else {}
+            if opts.patch_torch_functions:
+                from mixprec.graph.backend import AmpBackend
+
+                self.amp_backend = AmpBackend(
+                    policy=opts.policy,
+                    dtype=opts.dtype,
+                    device_type=opts.device_type,
+                    backend=kwargs.pop("backend", "inductor"),
+                    casts=kwargs.pop("casts", "exact"),
+                )
+                return torch.compile(plain, backend=self.amp_backend, **kwargs)
+            return torch.compile(plain, **kwargs)
         if opts.patch_torch_functions:  # O1: the loss too runs under autocast, as in the loop
             from mixprec.eager.autocast import autocast
 
@@ -208,7 +228,7 @@ class TrainStep:
                     return user(model, *batch)
 
             return loss
-        return lambda *batch: user(model, *batch)
+        return plain
 
     # ------------------------------------------------------------------ the step
 
