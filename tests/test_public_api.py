@@ -9,8 +9,8 @@ import mixprec
 
 EXPECTED = [
     "AmpOptimizer", "AutocastError", "BannedOpError", "Decision", "GradScaler", "MixprecError",
-    "OpCategory", "OptLevel", "Policy", "PolicyError", "ScaleConfig", "ScalerStateError",
-    "TrainStep", "TrainStepError",
+    "OpCategory", "OptLevel", "Policy", "PolicyError", "ScaleConfig", "ScalerCheckpointError",
+    "ScalerConfigError", "ScalerStateError", "TrainStep", "TrainStepError",
     "ExplainReport", "NonFiniteEvent", "ScaleHistory", "UnderflowReport", "explain",
     "grad_underflow", "scale_history", "watch_nonfinite",
     "__version__", "autocast", "checkpoint_context", "custom_bwd", "custom_fwd", "default_dtype",

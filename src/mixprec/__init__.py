@@ -38,7 +38,14 @@ from mixprec.levels import (
     scale_loss,
 )
 from mixprec.policy import Decision, OpCategory, Policy
-from mixprec.scaling import GradScaler, ScaleConfig, ScalerStateError, update_scale
+from mixprec.scaling import (
+    GradScaler,
+    ScaleConfig,
+    ScalerCheckpointError,
+    ScalerConfigError,
+    ScalerStateError,
+    update_scale,
+)
 from mixprec.step import TrainStep, TrainStepError
 
 __all__ = [
@@ -56,6 +63,8 @@ __all__ = [
     "PolicyError",
     "ScaleConfig",
     "ScaleHistory",
+    "ScalerCheckpointError",
+    "ScalerConfigError",
     "ScalerStateError",
     "TrainStep",
     "TrainStepError",
