@@ -10,7 +10,7 @@ import mixprec
 EXPECTED = [
     "AmpOptimizer", "AutocastError", "BannedOpError", "Decision", "GradScaler", "MixprecError",
     "OpCategory", "OptLevel", "Policy", "PolicyError", "ScaleConfig", "ScalerCheckpointError",
-    "ScalerConfigError", "ScalerStateError", "TrainStep", "TrainStepError",
+    "ScalerConfigError", "ScalerStateError", "SkipAwareLR", "TrainStep", "TrainStepError",
     "ExplainReport", "NonFiniteEvent", "ScaleHistory", "UnderflowReport", "explain",
     "grad_underflow", "scale_history", "watch_nonfinite",
     "__version__", "autocast", "checkpoint_context", "custom_bwd", "custom_fwd", "default_dtype",

@@ -44,6 +44,7 @@ from mixprec.scaling import (
     ScalerCheckpointError,
     ScalerConfigError,
     ScalerStateError,
+    SkipAwareLR,
     update_scale,
 )
 from mixprec.step import TrainStep, TrainStepError
@@ -66,6 +67,7 @@ __all__ = [
     "ScalerCheckpointError",
     "ScalerConfigError",
     "ScalerStateError",
+    "SkipAwareLR",
     "TrainStep",
     "TrainStepError",
     "UnderflowReport",

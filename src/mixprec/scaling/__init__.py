@@ -1,7 +1,9 @@
-"""Loss scaling: the pure scale update, the sync-free GradScaler, and its checkpoint format."""
+"""Loss scaling: the pure scale update, the sync-free GradScaler, its checkpoint format and the
+skip-aware LR schedule."""
 
 from mixprec.scaling.checkpoint import ScalerCheckpointError
 from mixprec.scaling.scaler import GradScaler, ScalerStateError, SkipEvent
+from mixprec.scaling.schedule import SkipAwareLR
 from mixprec.scaling.skip import SkipMode
 from mixprec.scaling.state import (
     ScaleConfig,
@@ -20,6 +22,7 @@ __all__ = [
     "ScalerCheckpointError",
     "ScalerConfigError",
     "ScalerStateError",
+    "SkipAwareLR",
     "SkipEvent",
     "SkipMode",
     "init_state",
