@@ -144,7 +144,7 @@ def test_the_matrix_covers_every_fused_kernel_of_this_torch():
 
 def test_fused_sgd_first_step_overflow_is_decided_on_the_host_and_says_so():
     """The configuration that was not exact: with skip_mode='auto', fused SGD's momentum buffer
-    was left uninitialised by a skipped first step (parameters then off by up to 1e26)."""
+    was left uninitialised by a skipped first step (parameters then off by as much as 1e34)."""
     got = _run("sgd-momentum", "fused", 1, range(STEPS), {0}, "auto")
     want = _run("sgd-momentum", "fused", 1, range(1, STEPS), set(), "auto")
     _assert_same(got, want, "fused SGD")

@@ -19,14 +19,17 @@ The step that *creates* an optimizer's state (its first step, or the first step 
 parameters) is decided on the host, once, in ``restore`` and ``fused`` mode alike: ``restore``
 has no state to restore to, and torch's fused kernels leave state they create unset when they
 skip (fused SGD with momentum allocates its momentum buffers with ``torch.empty_like`` and
-fills them in the kernel: a first step that overflows left them uninitialised, and the run
-diverged from one that never saw the batch by up to 1e26; torch's own scaler has the same
+fills them in the kernel: a first step that overflowed left them uninitialised, and the run
+ended as far as 1e34 from one that never saw the batch; torch's own scaler has the same
 flaw). A skipped creating step creates no state, exactly as if the batch had never been seen.
 A parameter that still has no state after a step that ran (SGD without momentum keeps none) is
-remembered as stateless, so it costs that one sync too, not one per step. State tensors on
-another device than ``found_inf`` (the CPU step counters of non-capturable Adam with CUDA
-parameters) cost a synchronisation per step in ``restore`` mode: pass ``capturable=True`` or
-``fused=True`` to such optimizers to stay sync-free.
+remembered as stateless, so it costs that one sync too, not one per step.
+
+State that no device-side restore can hold back makes every step of that optimizer a host
+decision (one sync per step), and the guard's ``reason`` says which state: a Python number
+(SparseAdam's step counter), a sparse tensor (SGD's momentum for sparse gradients), a tensor
+on another device than ``found_inf`` (the CPU step counters of non-capturable Adam with CUDA
+parameters: pass ``capturable=True`` or ``fused=True`` to stay sync-free).
 """
 
 from __future__ import annotations
