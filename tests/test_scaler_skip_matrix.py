@@ -230,3 +230,39 @@ def test_lbfgs_is_refused_with_the_reason():
     assert str(err.value) == text
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert scaler._per_optimizer == {}  # nothing recorded: the iteration can go on without it
+
+
+LATE = {
+    "adam-fused": lambda p: torch.optim.Adam(p, lr=1e-2, fused=True),
+    "sgd-momentum-foreach": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, foreach=True),
+}  # (torch's fused SGD cannot step a mix of parameters with and without momentum buffers)
+
+
+@pytest.mark.parametrize("name", sorted(LATE))
+def test_state_created_later_for_an_unfrozen_layer_is_exact(name):
+    """A layer that gets its first gradient late creates its state then: that step is decided
+    on the host too, although every other parameter has its state (a fused kernel would
+    otherwise leave the new state as its skip left it)."""
+
+    def run(use, bad):
+        model = _model()
+        opt = LATE[name](model.parameters())
+        scaler = mixprec.GradScaler("cpu", init_scale=2.0**10)
+        for i in use:
+            model[0].requires_grad_(i >= 3)  # frozen for the first three batches
+            x, y = BATCHES[i]
+            opt.zero_grad()
+            scaler.scale(F.mse_loss(model(x), y)).backward()
+            if i in bad:
+                model[1].weight.grad[0, 0] = INF
+            scaler.step(opt)
+            scaler.update()
+        state = copy.deepcopy(opt.state_dict()["state"])
+        return [p.detach().clone() for p in model.parameters()], state, scaler, opt
+
+    want = run([i for i in range(STEPS) if i != 3], set())
+    got = run(range(STEPS), {3})
+    _assert_same(got, want, f"{name}, layer 0 unfrozen at an overflowing step")
+    scaler, opt = got[2], got[3]
+    # the first step, the overflowing one that would create layer 0's state, the next one
+    assert scaler._guards[id(opt)].host_syncs == 3

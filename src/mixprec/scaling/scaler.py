@@ -486,9 +486,12 @@ class GradScaler:
         if guard is None:
             guard = StepGuard(*choose_mode(optimizer, self._skip_mode))  # refuses LBFGS
             guard.owner = type(optimizer).__name__
+            guard.keyword = guard.mode is SkipMode.FUSED and contract.takes_scaler_keyword(
+                optimizer
+            )  # (read once: inspecting a signature costs more than the rest of a step)
             self._guards[id(optimizer)] = guard
         main = self._main_device()  # before any change: raises if nothing was scaled yet
-        if guard.mode is SkipMode.FUSED and contract.takes_scaler_keyword(optimizer):
+        if guard.keyword:
             result = contract.keyword_step(self, optimizer, args, kwargs)
             self._state(optimizer).stage = _Stage.STEPPED
             return result
@@ -511,17 +514,20 @@ class GradScaler:
             state.pending.wait()
             state.pending = None
         assert state.found_inf is not None  # set by unscale_/_check_only above
-        self._flag(optimizer, state.found_inf)
-        result = guard.step(optimizer, state.found_inf, grad_scale,
+        # The guards decide on the 0/1 flag: what fused kernels need, and what step_skipped reads.
+        flag = self._flag(optimizer, state.found_inf)
+        result = guard.step(optimizer, flag, grad_scale,
                             lambda: optimizer.step(*args, **kwargs))  # fmt: skip
         state.stage = _Stage.STEPPED
         return result
 
-    def _flag(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+    def _flag(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> torch.Tensor:
+        """Write `optimizer`'s persistent skip flag (0.0/1.0, fp32) from `found_inf`; return it."""
         flag = self._skip_flags.get(id(optimizer))
         if flag is None or flag.device != found_inf.device:
             flag = self._skip_flags[id(optimizer)] = torch.zeros_like(found_inf)
         flag.copy_(found_inf > 0)
+        return flag
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Move the scale(s) for the next iteration: back off on overflow, grow when due. No sync.

@@ -90,18 +90,6 @@ def choose_mode(optimizer: torch.optim.Optimizer, requested: SkipMode) -> tuple[
     )
 
 
-def _state_complete(optimizer: torch.optim.Optimizer, stateless: dict[int, weakref.ref]) -> bool:
-    """Whether every parameter with a gradient has its state already (or is known stateless)."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.grad is None or optimizer.state.get(p):
-                continue
-            known = stateless.get(id(p))
-            if known is None or known() is not p:
-                return False
-    return True
-
-
 def _tracked(
     optimizer: torch.optim.Optimizer, stateless: dict[int, weakref.ref], device: torch.device
 ) -> tuple[list[torch.Tensor], bool, str | None]:
@@ -152,6 +140,8 @@ class StepGuard:
         self.reason = reason
         self.owner = ""  # the optimizer's class name, for explanations
         self.fallback: str | None = None  # why restoring cannot be exact (host decides instead)
+        self.keyword = False  # the optimizer takes step(grad_scaler=...) (torch's older contract)
+        self._complete_at: tuple[int, int, int] | None = None  # see _state_complete
         self._snapshot: list[torch.Tensor] = []
         # id(param) -> weakref(param): params a step ran for that kept no optimizer state.
         # (Keyed by id: tensors compare elementwise, so they cannot be set members.)
@@ -165,7 +155,10 @@ class StepGuard:
         grad_scale: torch.Tensor | None,
         run: Callable[[], Any],
     ) -> Any:
-        """Call `run` (which calls ``optimizer.step``) under this guard's skip mode."""
+        """Call `run` (which calls ``optimizer.step``) under this guard's skip mode.
+
+        `found_inf` is the scaler's 0/1 overflow flag for this optimizer (a 0-dim tensor).
+        """
         if self.mode is SkipMode.FUSED:
             return self._fused_step(optimizer, found_inf, grad_scale, run)
         if self.mode is SkipMode.SYNC:
@@ -213,11 +206,11 @@ class StepGuard:
         run: Callable[[], Any],
     ) -> Any:
         try:
-            complete = _state_complete(optimizer, self._stateless)
+            complete = self._state_complete(optimizer)
             if complete:
-                # found_inf counts non-finite tensors; fused kernels skip only when it is
-                # exactly 1.0 (and subtract it from their step counters): hand them a 0/1 flag.
-                flag = (found_inf > 0).to(found_inf.dtype)
+                # Fused kernels skip only when found_inf is exactly 1.0 (and subtract it from
+                # their step counters): the scaler hands a 0/1 flag, never a count.
+                flag = found_inf
             else:  # this step creates state: decide on the host, once (module docstring)
                 self.host_syncs += 1
                 if bool(found_inf.item()):
@@ -234,6 +227,33 @@ class StepGuard:
             for name in ("grad_scale", "found_inf"):
                 if name in vars(optimizer):
                     delattr(optimizer, name)
+
+    def _state_complete(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether every parameter with a gradient has its state (or is known stateless).
+
+        Cost: a pass over the parameters (about 0.15 us each), skipped once *every* parameter
+        has state, while the state container, its size and the parameter count stay those of
+        that check: no parameter can then create state (a new param group or a loaded state
+        dict changes the key).
+        """
+        key = (id(optimizer.state), len(optimizer.state),
+               sum(len(g["params"]) for g in optimizer.param_groups))  # fmt: skip
+        if key == self._complete_at:
+            return True
+        everyone = True
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if optimizer.state.get(p):
+                    continue
+                everyone = False
+                if p.grad is None:
+                    continue
+                known = self._stateless.get(id(p))
+                if known is None or known() is not p:
+                    return False
+        if everyone:
+            self._complete_at = key
+        return True
 
     def _note_stateless(self, optimizer: torch.optim.Optimizer) -> None:
         for group in optimizer.param_groups:
