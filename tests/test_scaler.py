@@ -645,3 +645,31 @@ def test_scaled_block_restores_gradients_when_backward_fails():
     with pytest.raises(RuntimeError, match="boom"), scaler.scaled(model(x).sum(), opt, 1):
         raise RuntimeError("boom")
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
+
+
+def test_a_new_optimizer_at_a_dead_ones_id_gets_its_own_skip_mode():
+    """Guards are keyed by id(optimizer): a fused optimizer's guard must not be applied to a
+    plain optimizer that Python later allocates at the same address."""
+    import gc
+
+    scaler = mixprec.GradScaler("cpu", init_scale=64.0)
+    x, y = _batches(1)[0]
+
+    def one_step(opt, model):
+        opt.zero_grad()
+        scaler.scale(F.mse_loss(model(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    fused_model, plain_model = _model(), _model()
+    fused = OPTIMIZERS["adam-fused"](fused_model.parameters())
+    plain = OPTIMIZERS["adam"](plain_model.parameters())
+    one_step(fused, fused_model)
+    # What the allocator does when `plain` reuses the dead `fused`'s address:
+    scaler._guards[id(plain)] = scaler._guards.pop(id(fused))
+    one_step(plain, plain_model)  # a fused guard would hand plain Adam grad_scale: it asserts
+    assert scaler.skip_mode(plain)[0] == "restore"
+    del fused
+    gc.collect()
+    one_step(plain, plain_model)
+    assert list(scaler._guards) == [id(plain)]  # the dead one's guard is dropped

@@ -78,9 +78,10 @@ def explain(scaler: GradScaler) -> str:
         f"  skip_mode={scaler._skip_mode.value!r}, unscale_impl={scaler._unscale_impl!r}, "
         f"num_losses={scaler._num_losses}",
     ]
-    for guard in scaler._guards.values():
+    guards = [g for g in scaler._guards.values() if g.ref() is not None]
+    for guard in guards:
         lines.append(f"  {guard.owner}: {guard.mode.value}: {guard.reason}")
-    if not scaler._guards:
+    if not guards:
         lines.append("  no optimizer stepped yet (scaler.skip_mode(optimizer) tells in advance)")
     lines += [f"  decided: {note}" for note in scaler._notes]
     return "\n".join(lines)

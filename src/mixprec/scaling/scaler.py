@@ -26,6 +26,7 @@ import dataclasses
 import enum
 import math
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, overload
@@ -218,9 +219,6 @@ class GradScaler:
         self._per_optimizer: dict[int, _PerOptimizer] = {}
         self._guards: dict[int, StepGuard] = {}
         self._already_unscaled: set[int] = set()  # optimizers whose grads scaled() unscaled
-        # id(optimizer) -> 0-dim flag on the scale's device, 1 where its last step was skipped;
-        # the same tensor every step (a captured graph and SkipAwareLR hold it).
-        self._skip_flags: dict[int, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ state on the device
 
@@ -482,14 +480,7 @@ class GradScaler:
                 "step(optimizer) was already called since the last update(). Call "
                 "scaler.update() once per iteration, after stepping every optimizer."
             )
-        guard = self._guards.get(id(optimizer))
-        if guard is None:
-            guard = StepGuard(*choose_mode(optimizer, self._skip_mode))  # refuses LBFGS
-            guard.owner = type(optimizer).__name__
-            guard.keyword = guard.mode is SkipMode.FUSED and contract.takes_scaler_keyword(
-                optimizer
-            )  # (read once: inspecting a signature costs more than the rest of a step)
-            self._guards[id(optimizer)] = guard
+        guard = self._guard(optimizer)  # refuses LBFGS
         main = self._main_device()  # before any change: raises if nothing was scaled yet
         if guard.keyword:
             result = contract.keyword_step(self, optimizer, args, kwargs)
@@ -521,11 +512,31 @@ class GradScaler:
         state.stage = _Stage.STEPPED
         return result
 
+    def _guard(self, optimizer: torch.optim.Optimizer) -> StepGuard:
+        """`optimizer`'s guard: its skip mode, snapshot and skip flag (created at first step)."""
+        guard = self._known_guard(optimizer)
+        if guard is not None:
+            return guard
+        guard = StepGuard(*choose_mode(optimizer, self._skip_mode))
+        guard.owner = type(optimizer).__name__
+        # Read once: inspecting a signature costs more than the rest of a step.
+        guard.keyword = guard.mode is SkipMode.FUSED and contract.takes_scaler_keyword(optimizer)
+        guard.ref = weakref.ref(optimizer)
+        # Keyed by id; a dead optimizer's id can be reused, so drop the dead ones here.
+        self._guards = {k: g for k, g in self._guards.items() if g.ref() is not None}
+        self._guards[id(optimizer)] = guard
+        return guard
+
+    def _known_guard(self, optimizer: Any) -> StepGuard | None:
+        guard = self._guards.get(id(optimizer))
+        return guard if guard is not None and guard.ref() is optimizer else None
+
     def _flag(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> torch.Tensor:
         """Write `optimizer`'s persistent skip flag (0.0/1.0, fp32) from `found_inf`; return it."""
-        flag = self._skip_flags.get(id(optimizer))
+        guard = self._guard(optimizer)
+        flag = guard.flag
         if flag is None or flag.device != found_inf.device:
-            flag = self._skip_flags[id(optimizer)] = torch.zeros_like(found_inf)
+            flag = guard.flag = torch.zeros_like(found_inf)
         flag.copy_(found_inf > 0)
         return flag
 
@@ -687,9 +698,9 @@ class GradScaler:
         """
         seen: set[int] = set()
         while optimizer is not None and id(optimizer) not in seen:
-            flag = self._skip_flags.get(id(optimizer))
-            if flag is not None:
-                return flag
+            guard = self._known_guard(optimizer)
+            if guard is not None and guard.flag is not None:
+                return guard.flag
             seen.add(id(optimizer))
             optimizer = getattr(optimizer, "optimizer", None)
         return None
@@ -756,7 +767,7 @@ class GradScaler:
             ScalerConfigError: the optimizer cannot be used with loss scaling (LBFGS).
         """
         contract.check_optimizer(optimizer, "skip_mode")
-        guard = self._guards.get(id(optimizer))
+        guard = self._known_guard(optimizer)
         if guard is not None:
             return guard.mode.value, guard.reason
         mode, reason = choose_mode(optimizer, self._skip_mode)
@@ -782,8 +793,8 @@ class GradScaler:
         """Pickle and ``copy.deepcopy`` support, between iterations only (as torch).
 
         The device state travels as Python values (a sync) and is recreated on first use, on
-        the device of the first scaled tensor; snapshots, skip flags and skip listeners are
-        not carried.
+        the device of the first scaled tensor; the per-optimizer guards (snapshots, skip flags)
+        and skip listeners are not carried.
         """
         if self._per_optimizer:
             raise ScalerStateError(
@@ -796,7 +807,6 @@ class GradScaler:
         state["_losses"] = None
         state["_guards"] = {}
         state["_listeners"] = []
-        state["_skip_flags"] = {}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

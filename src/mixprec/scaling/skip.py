@@ -141,6 +141,10 @@ class StepGuard:
         self.owner = ""  # the optimizer's class name, for explanations
         self.fallback: str | None = None  # why restoring cannot be exact (host decides instead)
         self.keyword = False  # the optimizer takes step(grad_scaler=...) (torch's older contract)
+        self.ref: Callable[[], Any] = lambda: None  # a weak reference to the optimizer
+        # 0-dim fp32 flag, 1.0 where the optimizer's last step was skipped; written in place
+        # every step (captured graphs and SkipAwareLR hold it). None before the first step.
+        self.flag: torch.Tensor | None = None
         self._complete_at: tuple[int, int, int] | None = None  # see _state_complete
         self._snapshot: list[torch.Tensor] = []
         # id(param) -> weakref(param): params a step ran for that kept no optimizer state.
