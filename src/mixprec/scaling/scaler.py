@@ -128,6 +128,13 @@ class GradScaler:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             scaler.step(optimizer)                       # skipped on the device on overflow
             scaler.update()
+
+    With ``dynamic=True``, an `init_scale` outside ``[min_scale, max_scale]`` is moved inside,
+    as Apex does; ``explain()`` lists that and every other automatic decision.
+
+    Raises:
+        ScalerConfigError: an argument is invalid (the message names it, the valid values and,
+            for misspellings, the closest one).
     """
 
     def __init__(
