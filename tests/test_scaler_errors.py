@@ -25,9 +25,9 @@ G = mixprec.GradScaler
     "kwargs,text",
     [
         ({"device": "gpu"},
-         "GradScaler device='gpu': unknown device type 'gpu'. Did you mean 'cpu' or 'xpu'? Valid "
-         "device types: 'cpu', 'cuda', 'mps' or 'xpu'. NVIDIA and AMD GPUs are 'cuda', Intel "
-         "GPUs 'xpu', Apple GPUs 'mps'."),
+         "GradScaler device='gpu': unknown device type 'gpu'. Did you mean 'cuda'? Valid device "
+         "types: 'cpu', 'cuda', 'mps' or 'xpu'. NVIDIA and AMD GPUs are 'cuda', Intel GPUs "
+         "'xpu', Apple GPUs 'mps'."),
         ({"device": 0},
          "GradScaler device=0: device_type must be a string such as 'cuda' or 'cpu', got int 0."),
         ({"enabled": "False"},
