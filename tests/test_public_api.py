@@ -10,8 +10,8 @@ import mixprec
 EXPECTED = [
     "AmpBackend", "AmpOptimizer", "AutocastError", "BannedOpError", "CastReport", "Decision",
     "GradScaler", "MixprecError", "compile",
-    "OpCategory", "OptLevel", "Policy", "PolicyError", "ScaleConfig", "ScalerStateError",
-    "TrainStep", "TrainStepError",
+    "OpCategory", "OptLevel", "Policy", "PolicyError", "ScaleConfig", "ScalerCheckpointError",
+    "ScalerConfigError", "ScalerStateError", "SkipAwareLR", "TrainStep", "TrainStepError",
     "ExplainReport", "NonFiniteEvent", "ScaleHistory", "UnderflowReport", "explain",
     "grad_underflow", "scale_history", "watch_nonfinite",
     "__version__", "autocast", "checkpoint_context", "custom_bwd", "custom_fwd", "default_dtype",

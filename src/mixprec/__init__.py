@@ -39,7 +39,15 @@ from mixprec.levels import (
     scale_loss,
 )
 from mixprec.policy import Decision, OpCategory, Policy
-from mixprec.scaling import GradScaler, ScaleConfig, ScalerStateError, update_scale
+from mixprec.scaling import (
+    GradScaler,
+    ScaleConfig,
+    ScalerCheckpointError,
+    ScalerConfigError,
+    ScalerStateError,
+    SkipAwareLR,
+    update_scale,
+)
 from mixprec.step import TrainStep, TrainStepError
 
 __all__ = [
@@ -59,7 +67,10 @@ __all__ = [
     "PolicyError",
     "ScaleConfig",
     "ScaleHistory",
+    "ScalerCheckpointError",
+    "ScalerConfigError",
     "ScalerStateError",
+    "SkipAwareLR",
     "TrainStep",
     "TrainStepError",
     "UnderflowReport",

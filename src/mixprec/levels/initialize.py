@@ -79,6 +79,13 @@ def initialize(
                 f"initialize a model once (build a fresh model to change the opt level)."
             )
     options = resolve(opt_level, device_type=_device_type(model_list), dtype=dtype, **overrides)
+    # Everything that can be refused is checked before any model is changed, so a refused
+    # argument leaves the models as they were (the scaler validates its own settings).
+    opt_list = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+    if optimizers is not None:
+        for opt in opt_list:
+            _check_optimizer_arg(opt)
+    scaler = _make_scaler(options) if optimizers is not None else None
     masters: dict[int, torch.Tensor] = {}
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (low-precision weight, its master)
     for model in model_list:
@@ -86,12 +93,9 @@ def initialize(
 
     if optimizers is None:
         return models if isinstance(models, (list, tuple)) else model_list[0]
-    opt_list = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
-    scaling = LossScaling(_make_scaler(options))
+    scaling = LossScaling(scaler)
     wrapped = []
     for opt in opt_list:
-        if isinstance(opt, AmpOptimizer):
-            raise MixprecError("this optimizer was already returned by mixprec.initialize.")
         inner = _inner_optimizer(opt, masters, model_list)
         mine = {id(p) for g in inner.param_groups for p in g["params"]}
         own = [(low, m) for low, m in pairs if id(m) in mine]
@@ -155,9 +159,21 @@ def _inner_optimizer(
                 f"torch.optim.Optimizer."
             )
         return inner
+    raise AssertionError("unreachable: _check_optimizer_arg accepted it")  # pragma: no cover
+
+
+def _check_optimizer_arg(opt: Any) -> None:
+    if isinstance(opt, AmpOptimizer):
+        raise MixprecError("this optimizer was already returned by mixprec.initialize.")
+    if isinstance(opt, torch.optim.Optimizer) or (callable(opt) and not isinstance(opt, nn.Module)):
+        return
+    hint = ""
+    if isinstance(opt, (Iterator, nn.Module)):
+        hint = (" (parameters or a model, not an optimizer: build one, e.g. "
+                "torch.optim.AdamW(model.parameters(), lr=1e-3))")  # fmt: skip
     raise PolicyError(
         f"optimizers must be torch.optim.Optimizer instances, factories or None; got "
-        f"{type(opt).__name__}."
+        f"{type(opt).__name__}{hint}."
     )
 
 

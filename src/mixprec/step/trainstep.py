@@ -16,6 +16,7 @@ so they produce the same numbers; there is no silent divergence to opt into.
 
 from __future__ import annotations
 
+import difflib
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -117,15 +118,35 @@ class TrainStep:
                 "TrainStep needs exactly one of loss_fn (loss_fn(model(*inputs), target)) and "
                 "compute_loss (compute_loss(model, *batch) -> loss)."
             )
+        for name, fn in (("loss_fn", loss_fn), ("compute_loss", compute_loss)):
+            if fn is not None and not callable(fn):
+                example = (
+                    "loss_fn=torch.nn.functional.cross_entropy"
+                    if name == "loss_fn"
+                    else "compute_loss=lambda model, x, y: F.mse_loss(model(x), y)"
+                )
+                raise PolicyError(
+                    f"TrainStep {name}={fn!r} is not callable: pass a function, e.g. {example}."
+                )
         if capture not in CAPTURE_MODES:
+            close = difflib.get_close_matches(str(capture).replace("-", "_"), CAPTURE_MODES, n=1)
             raise PolicyError(
-                f"unknown capture mode {capture!r}. Valid modes: {format_options(CAPTURE_MODES)}."
+                f"unknown capture mode {capture!r}."
+                + (f" Did you mean {close[0]!r}?" if close else "")
+                + f" Valid modes: {format_options(CAPTURE_MODES)}."
+            )
+        if not isinstance(compile, (bool, dict)):
+            raise PolicyError(
+                f"TrainStep compile={compile!r} must be True, False or a dict of torch.compile "
+                f"arguments, e.g. compile={{'mode': {compile!r}}}."
             )
         for name, value in (("warmup", warmup), ("max_graphs", max_graphs)):
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise PolicyError(f"TrainStep {name}={value!r} must be an int >= 1.")
         if clip_grad_norm is not None and not (
-            isinstance(clip_grad_norm, (int, float)) and clip_grad_norm > 0
+            isinstance(clip_grad_norm, (int, float))
+            and not isinstance(clip_grad_norm, bool)
+            and clip_grad_norm > 0
         ):
             raise PolicyError(
                 f"clip_grad_norm={clip_grad_norm!r} must be a positive number or None."
