@@ -415,18 +415,25 @@ class watch_nonfinite:
         return [{"module": m[0], "phase": m[1], "param": m[4], "max_abs": v}
                 for m, v in zip(meta, values, strict=True) if m[3]]  # fmt: skip
 
+    def event_at_update(self, update: int) -> NonFiniteEvent | None:
+        """The first inf/NaN of the step that fed the attached scaler's update `update` (from 0).
+
+        None when that step saw none or is no longer retained. Reads the per-step records once
+        per fold (a sync), so asking about several updates of one batch costs one read.
+        """
+        ring = self._read_ring()
+        steps = len(self._step_meta) if ring is not None else 0
+        for step in range(max(0, steps - self.history), steps):
+            if self._step_update[step] == update:
+                event = self._event(step, ring[step % self.history])
+                if event is not None:
+                    return event
+        return None
+
     def _on_skip(self, event: Any) -> None:
         # Called by the attached scaler while it reads its counters (already a sync point), once
         # per skipped update of the batch: the ring is read once for all of them.
-        ring = self._read_ring()
-        steps = len(self._step_meta) if ring is not None else 0
-        found = None
-        for step in range(max(0, steps - self.history), steps):
-            if self._step_update[step] == event.step:
-                found = self._event(step, ring[step % self.history])
-                if found is not None:
-                    break
-        self.skips.append((event, found))
+        self.skips.append((event, self.event_at_update(event.step)))
 
 
 def advice(event: NonFiniteEvent, count: int = 1, steps: int = 1) -> str:

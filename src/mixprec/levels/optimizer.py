@@ -64,10 +64,16 @@ class LossScaling:
     ``update()`` must run once per iteration after every optimizer stepped; with several
     optimizers nobody knows which steps last, so the update is deferred to the start of the
     next ``scale_loss`` (or to ``state_dict``/``loss_scale``), and run if any step happened.
+
+    With ``eager_update=True`` the update runs right after each optimizer's step instead: what a
+    framework that steps one optimizer per iteration expects (Lightning, Accelerate, the
+    Transformers Trainer: `mixprec.integrations`), so the scale, the skip flag and the counters
+    describe the step that just ran.
     """
 
-    def __init__(self, scaler: GradScaler | None) -> None:
+    def __init__(self, scaler: GradScaler | None, *, eager_update: bool = False) -> None:
         self.scaler = scaler
+        self.eager_update = eager_update
         self.pending = False  # an optimizer stepped since the last update
         self.scaled = False  # scale_loss ran in this iteration
         self.stepped: set[int] = set()  # optimizers stepped in this iteration
@@ -208,6 +214,8 @@ class AmpOptimizer(torch.optim.Optimizer):
         if self._low:
             with torch.no_grad():
                 torch._foreach_copy_(self._low, self._masters)
+        if self._scaling.eager_update:
+            self._scaling.flush()
         return result
 
     # ----------------------------------------------------------------- checkpoints

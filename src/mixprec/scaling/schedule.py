@@ -143,12 +143,19 @@ class SkipAwareLR:
             ``initialize``'s optimizer, whose scaler is taken); None: nothing is skipped.
         horizon: schedule values computed ahead, and the initial table size. Inside a captured
             graph only the device part of ``step()`` replays: make it cover the replays.
+        optimizer: the optimizer whose steps the schedule follows and whose lr it writes; default
+            the scheduler's own. Pass the `AmpOptimizer` when the scheduler was built on the
+            optimizer that ``mixprec.initialize`` rebuilt over O2 master weights (the original's
+            lr is no longer the one stepped). Its param groups must match the scheduler's
+            optimizer's one for one.
 
     Attributes:
         mode: ``'device'`` or ``'host'`` (see the module docstring); reason: why.
     """
 
-    def __init__(self, scheduler: Any, scaler: Any = None, *, horizon: int = 256) -> None:
+    def __init__(
+        self, scheduler: Any, scaler: Any = None, *, horizon: int = 256, optimizer: Any = None
+    ) -> None:
         from mixprec.scaling.scaler import GradScaler
 
         lr_scheduler = torch.optim.lr_scheduler
@@ -178,8 +185,20 @@ class SkipAwareLR:
             scaler = inner
         if not (isinstance(horizon, int) and not isinstance(horizon, bool) and horizon >= 1):
             raise ScalerConfigError(f"SkipAwareLR horizon={horizon!r} must be an int >= 1.")
+        if optimizer is not None and (
+            not isinstance(optimizer, torch.optim.Optimizer)
+            or len(optimizer.param_groups) != len(scheduler.optimizer.param_groups)
+        ):
+            groups = getattr(optimizer, "param_groups", None)
+            raise ScalerConfigError(
+                f"SkipAwareLR optimizer= must be a torch optimizer with the scheduler's "
+                f"{len(scheduler.optimizer.param_groups)} param group(s) (the optimizer that "
+                f"stands in for the scheduler's, e.g. mixprec.initialize's AmpOptimizer); got "
+                f"{type(optimizer).__name__}"
+                + (f" with {len(groups)} group(s)." if groups is not None else ".")
+            )
         self.scheduler = scheduler
-        self.optimizer = scheduler.optimizer
+        self.optimizer = scheduler.optimizer if optimizer is None else optimizer
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self._horizon = horizon
         self._template = _shadow(scheduler, _StandIn(self.optimizer))  # as it is now

@@ -1,0 +1,361 @@
+"""The precision half of a training step, for frameworks that own the loop.
+
+Lightning, Accelerate and the Transformers Trainer each run forward, backward, clipping and the
+optimizer step themselves and offer hooks around them. `AmpEngine` is what those hooks call, the
+same for all three, so that an opt level means the same thing in each and in a hand-written
+``mixprec.initialize`` loop:
+
+- forward: O1 runs under a ``mixprec.autocast`` region (the policy); O2 and O3 cast the model
+  to the low dtype (O2 keeps norm layers in fp32, casts inputs at the model's entry and returns
+  fp32 outputs);
+- backward: the loss times the scale when the level scales (fp16); in O2 the low-precision
+  gradients are added into the fp32 masters after each backward, so accumulation is in fp32;
+- before clipping: unscale once per step (the masters in O2); clipping acts on what is stepped;
+- step: ``scaler.step`` and ``update`` (an overflowing step is skipped on the device), then in
+  O2 the masters are copied into the model; O3 and bf16 steps are plain.
+
+The optimizers become `AmpOptimizer`s (``wrap_optimizer``), each with its own eager scale update,
+so that ``optimizer.step()`` is the whole scaled step wherever a framework calls it and the
+scaler's state describes the step that just ran. bf16 uses no scaler (nothing to skip).
+
+Costs: those of the opt level (`docs/migration.md`); no host-device sync in any hook. Reading
+whether the last step was skipped as a Python bool (what Accelerate and the Transformers
+Trainer ask before stepping the LR schedule) is one sync: ``last_step_skipped``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.eager.autocast import autocast
+from mixprec.errors import MixprecError, format_options
+from mixprec.levels.initialize import _prepare_model
+from mixprec.levels.model import amp_hooks
+from mixprec.levels.optimizer import AmpOptimizer, LossScaling, build_inner
+from mixprec.levels.presets import OVERRIDES, AmpOptions, OptLevel, resolve
+from mixprec.policy.policy import Policy
+from mixprec.scaling.scaler import GradScaler
+
+__all__ = ["FORMAT", "AmpConfig", "AmpEngine", "IntegrationError", "unwrap_optimizer"]
+
+FORMAT = "mixprec.AmpEngine/1"
+
+
+class IntegrationError(MixprecError, ValueError):
+    """A framework integration was set up in a way that cannot work (the message says the fix)."""
+
+
+def _scaler_args() -> list[str]:
+    params = inspect.signature(GradScaler.__init__).parameters
+    return [n for n in params if n not in ("self", "device", "enabled")]
+
+
+def _freeze(value: Mapping[str, Any] | None, what: str) -> Mapping[str, Any]:
+    if value is None:
+        return MappingProxyType({})
+    if not isinstance(value, Mapping):
+        raise IntegrationError(f"AmpConfig {what} must be a dict, got {type(value).__name__}.")
+    return MappingProxyType(dict(value))
+
+
+@dataclass(frozen=True)
+class AmpConfig:
+    """How an integration trains: opt level, dtype, op policy, scaler and option overrides.
+
+    Attributes:
+        opt_level: ``'O0'`` ... ``'O3'`` (``mixprec.describe(level)`` explains each).
+        dtype: ``'fp16'``/``'bf16'`` (or a torch dtype); default fp16 on CUDA, bf16 elsewhere.
+        policy: a `mixprec.Policy` or its string form, for O1's autocast.
+        scaler: `mixprec.GradScaler` keyword arguments (``init_scale``, ``growth_interval``,
+            ``hysteresis``, ``min_scale``, ...), used when the level scales the loss (fp16).
+        options: ``mixprec.initialize``'s option overrides (``keep_batchnorm_fp32``,
+            ``loss_scale``, ``min_loss_scale``, ...).
+        hold_schedule_on_skip: wrap LR schedulers in `mixprec.SkipAwareLR` where the framework
+            would step them on a skipped step (Lightning, Accelerate).
+    """
+
+    opt_level: str = "O1"
+    dtype: str | torch.dtype | None = None
+    policy: Policy | str | None = None
+    scaler: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    hold_schedule_on_skip: bool = True
+
+    def __post_init__(self) -> None:
+        OptLevel.parse(self.opt_level)  # raises PolicyError naming the valid levels
+        object.__setattr__(self, "scaler", _freeze(self.scaler, "scaler"))
+        object.__setattr__(self, "options", _freeze(self.options, "options"))
+        valid = _scaler_args()
+        bad = sorted(set(self.scaler) - set(valid))
+        if bad:
+            raise IntegrationError(
+                f"AmpConfig scaler={{{bad[0]!r}: ...}} is not a GradScaler argument. Valid: "
+                f"{format_options(valid)}."
+            )
+        bad = sorted(set(self.options) - (set(OVERRIDES) - {"policy"}))
+        if bad:
+            raise IntegrationError(
+                f"AmpConfig options={{{bad[0]!r}: ...}} is not an initialize option. Valid: "
+                f"{format_options(sorted(set(OVERRIDES) - {'policy'}))} (the policy has its own "
+                f"field: AmpConfig(policy=...))."
+            )
+        if not isinstance(self.hold_schedule_on_skip, bool):
+            raise IntegrationError("AmpConfig hold_schedule_on_skip must be True or False.")
+
+    def resolve(self, device_type: str) -> AmpOptions:
+        """The opt level resolved for `device_type` (what ``mixprec.describe`` prints)."""
+        overrides = dict(self.options)
+        if self.policy is not None:
+            overrides["policy"] = self.policy
+        return resolve(self.opt_level, device_type=device_type, dtype=self.dtype, **overrides)
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The optimizer inside framework wrappers (LightningOptimizer, AcceleratedOptimizer).
+
+    Stops at the first `AmpOptimizer` or plain torch optimizer whose wrapper chain ends.
+    """
+    seen: set[int] = set()
+    while id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        if isinstance(optimizer, AmpOptimizer):
+            return optimizer
+        inner = getattr(optimizer, "_optimizer", None) or getattr(optimizer, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):
+            return optimizer
+        if type(optimizer).__module__.startswith("torch.optim"):
+            return optimizer
+        optimizer = inner
+    return optimizer
+
+
+class AmpEngine:
+    """An opt level applied by a framework's hooks (see the module docstring).
+
+    Args:
+        config: the settings.
+        device_type: the device the model trains on (``'cuda'``, ``'cpu'``, ...).
+        outputs_fp32: in O1, also run the model's forward inside a region entered by a forward
+            hook and return its floating outputs in fp32 (what Accelerate does for its own
+            autocast); without it the framework enters `autocast()` itself.
+    """
+
+    def __init__(self, config: AmpConfig, device_type: str, *, outputs_fp32: bool = False):
+        if not isinstance(config, AmpConfig):
+            raise IntegrationError(
+                f"expected a mixprec.integrations.engine.AmpConfig, got {type(config).__name__}."
+            )
+        self.config = config
+        self.options = config.resolve(device_type)
+        self.device_type = self.options.device_type
+        self.scaler = self._make_scaler() if self.options.uses_scaler else None
+        self._outputs_fp32 = outputs_fp32
+        self._masters: dict[int, torch.Tensor] = {}  # id(param) -> its fp32 master (O2)
+        self._modules: list[nn.Module] = []  # converted models
+        self.optimizers: list[AmpOptimizer] = []
+
+    def _make_scaler(self) -> GradScaler:
+        opts = self.options
+        kwargs: dict[str, Any] = {
+            "init_scale": 2.0**16 if opts.dynamic_loss_scale else float(opts.loss_scale),
+            "dynamic": opts.dynamic_loss_scale,
+            "min_scale": opts.min_loss_scale,
+            "max_scale": opts.max_loss_scale,
+            "num_losses": opts.num_losses,
+        }
+        kwargs.update(self.config.scaler)
+        return GradScaler(opts.device_type, **kwargs)
+
+    def __repr__(self) -> str:
+        return (f"AmpEngine({self.options.level.value}, {self.options.dtype}, "
+                f"scaler={self.scaler is not None})")  # fmt: skip
+
+    @property
+    def low_model(self) -> bool:
+        """Whether the level casts the model's weights (O2, O3)."""
+        t = self.options.cast_model_type
+        return t is not None and t != torch.float32
+
+    # ------------------------------------------------------------------ forward
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The forward region: ``mixprec.autocast`` for O1, nothing for the other levels."""
+        opts = self.options
+        if not opts.patch_torch_functions:
+            return contextlib.nullcontext()
+        return autocast(opts.device_type, dtype=opts.dtype, policy=opts.policy)
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Apply the level to `module` in place (O2/O3: cast, fp32 norms, entry/exit hooks).
+
+        O2 takes the fp32 masters here, before the cast. Converting twice is a no-op.
+        """
+        if any(m is module for m in self._modules):
+            return module
+        hooks = amp_hooks(module)
+        if hooks is not None:
+            raise IntegrationError(
+                f"{type(module).__name__} was already prepared by mixprec.initialize; with a "
+                f"framework integration pass the plain fp32 model: the integration applies the "
+                f"opt level itself."
+            )
+        opts = self.options
+        if self.low_model or self._outputs_fp32:
+            if self._outputs_fp32 and not self.low_model:
+                opts = replace(opts, cast_model_outputs=torch.float32)
+            elif not self._outputs_fp32:
+                opts = replace(opts, patch_torch_functions=False)
+            _prepare_model(module, opts, self._masters)
+        self._modules.append(module)
+        return module
+
+    # ------------------------------------------------------------------ optimizers
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> AmpOptimizer:
+        """`optimizer` as an `AmpOptimizer` of this level (over the fp32 masters in O2).
+
+        In O2 the model must have been converted first (its masters are taken before the cast).
+        """
+        if isinstance(optimizer, AmpOptimizer):
+            if optimizer in self.optimizers:
+                return optimizer
+            raise IntegrationError(
+                "this optimizer was returned by mixprec.initialize; with a framework integration "
+                "pass the plain torch optimizer: the integration wraps it."
+            )
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise IntegrationError(
+                f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}."
+            )
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if self.options.master_weights:
+            missing = [p for p in params if p.is_floating_point() and id(p) not in self._masters]
+            if missing:
+                raise IntegrationError(
+                    f"{self.options.level.value} keeps fp32 master weights, taken when the model "
+                    f"is converted; {len(missing)} parameter(s) of this optimizer belong to no "
+                    f"converted model. Set up (prepare) the model before, or together with, its "
+                    f"optimizer."
+                )
+            inner = build_inner(optimizer, self._masters)
+        else:
+            inner = optimizer
+        mine = {id(p) for g in inner.param_groups for p in g["params"]}
+        pairs = [(p, self._masters[id(p)]) for p in params
+                 if id(p) in self._masters and self._masters[id(p)] is not p
+                 and id(self._masters[id(p)]) in mine]  # fmt: skip
+        for low, master in pairs:
+            if master.device != low.device:  # the model moved after its masters were taken
+                master.data = master.data.to(low.device)
+        amp = AmpOptimizer(inner, self.options, LossScaling(self.scaler, eager_update=True),
+                           [lo for lo, _ in pairs], [m for _, m in pairs])  # fmt: skip
+        self.optimizers.append(amp)
+        return amp
+
+    def master_of(self, param: torch.Tensor) -> torch.Tensor:
+        """The tensor the optimizer steps for `param` (its fp32 master in O2, else itself)."""
+        return self._masters.get(id(param), param)
+
+    # ------------------------------------------------------------------ backward
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """Start a backward: the loss times the scale (fp16), as it is (bf16). No sync."""
+        new_iteration = not any(amp._scaling.scaled for amp in self.optimizers)
+        if new_iteration and self.options.master_weights:
+            # Frameworks clear the model's gradients (Transformers: model.zero_grad()), not
+            # necessarily the optimizer's: the masters' are stale from the last step.
+            for amp in self.optimizers:
+                amp.optimizer.zero_grad(set_to_none=True)
+        for amp in self.optimizers:
+            amp._scaling.scaled = True  # the loss of this iteration is scaled (by us)
+        return loss if self.scaler is None else self.scaler.scale(loss)
+
+    def after_backward(self) -> None:
+        """End a backward: in O2, add the low-precision gradients into the fp32 masters."""
+        if self.options.master_weights:
+            for amp in self.optimizers:
+                amp._after_backward()
+
+    # ------------------------------------------------------------------ step
+
+    def unscale_(self, optimizer: Any) -> None:
+        """Divide `optimizer`'s gradients by the scale, once per iteration (to clip, inspect)."""
+        amp = unwrap_optimizer(optimizer)
+        if self.scaler is None or not isinstance(amp, AmpOptimizer):
+            return
+        amp._after_backward()  # (O2) gradients of a backward that bypassed after_backward
+        inner = amp.optimizer
+        # Once per iteration: the scaler's own stage machine knows (reset by update()).
+        state = self.scaler._per_optimizer.get(id(inner))
+        if state is not None and state.found_inf is not None:
+            return
+        if not any(p.grad is not None for g in inner.param_groups for p in g["params"]):
+            return
+        self.scaler.unscale_(inner)
+
+    def main_params(self, optimizer: Any) -> Iterator[torch.Tensor]:
+        """The tensors `optimizer` steps (fp32 masters in O2): what clipping must act on."""
+        for group in unwrap_optimizer(optimizer).param_groups:
+            yield from group["params"]
+
+    def clip_grad_norm_(self, optimizer: Any, max_norm: float, norm_type: float = 2.0) -> Any:
+        """Unscale, then clip the norm of the stepped tensors' gradients; return the norm."""
+        self.unscale_(optimizer)
+        return torch.nn.utils.clip_grad_norm_(list(self.main_params(optimizer)), max_norm,
+                                              norm_type=norm_type)  # fmt: skip
+
+    def step(self, optimizer: Any) -> Any:
+        """The scaled optimizer step (skipped on the device on overflow) and the scale update."""
+        amp = unwrap_optimizer(optimizer)
+        if not isinstance(amp, AmpOptimizer) or amp not in self.optimizers:
+            raise IntegrationError(
+                f"{type(amp).__name__} was not set up by this mixprec integration: pass every "
+                f"optimizer through it (the precision plugin's connect/initialize, or "
+                f"accelerator.prepare)."
+            )
+        return amp.step()
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last step was skipped (overflow). One host-device sync per read."""
+        return False if self.scaler is None else self.scaler.last_step_skipped
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler's state (masters and optimizer state live in each `AmpOptimizer`'s)."""
+        return {
+            "format": FORMAT,
+            "opt_level": self.options.level.value,
+            "scaler": None if self.scaler is None else self.scaler.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load ``state_dict()``'s output; checked before anything changes."""
+        if not isinstance(state_dict, Mapping) or state_dict.get("format") != FORMAT:
+            raise IntegrationError(
+                f"not a mixprec integration state dict (format {FORMAT!r} expected); it holds "
+                f"keys {sorted(state_dict)[:6] if isinstance(state_dict, Mapping) else '?'}."
+            )
+        level = self.options.level.value
+        if state_dict.get("opt_level") != level:
+            raise IntegrationError(
+                f"the checkpoint was trained at {state_dict.get('opt_level')!r}, this run uses "
+                f"{level!r}: resume with the same opt level."
+            )
+        sd = state_dict.get("scaler")
+        if (sd is None) != (self.scaler is None):
+            raise IntegrationError(
+                "the checkpoint's loss scaling differs from this run's (one scales the loss, the "
+                "other does not): resume with the same dtype and loss_scale."
+            )
+        if self.scaler is not None:
+            self.scaler.load_state_dict(dict(sd))
