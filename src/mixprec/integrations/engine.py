@@ -161,6 +161,7 @@ class AmpEngine:
         self._masters: dict[int, torch.Tensor] = {}  # id(param) -> its fp32 master (O2)
         self._modules: list[nn.Module] = []  # converted models
         self.optimizers: list[AmpOptimizer] = []
+        self._sources: list[tuple[Any, AmpOptimizer]] = []  # (the user's optimizer, its wrap)
 
     def _make_scaler(self) -> GradScaler:
         opts = self.options
@@ -258,7 +259,16 @@ class AmpEngine:
         amp = AmpOptimizer(inner, self.options, LossScaling(self.scaler, eager_update=True),
                            [lo for lo, _ in pairs], [m for _, m in pairs])  # fmt: skip
         self.optimizers.append(amp)
+        self._sources.append((optimizer, amp))
         return amp
+
+    def amp_for(self, optimizer: Any) -> AmpOptimizer | None:
+        """The `AmpOptimizer` made from `optimizer` (or that is, or wraps, it); None if none."""
+        inner = unwrap_optimizer(optimizer)
+        for source, amp in self._sources:
+            if inner is source or inner is amp or inner is amp.optimizer:
+                return amp
+        return None
 
     def master_of(self, param: torch.Tensor) -> torch.Tensor:
         """The tensor the optimizer steps for `param` (its fp32 master in O2, else itself)."""

@@ -137,16 +137,34 @@ class AmpOptimizer(torch.optim.Optimizer):
         masters: list[torch.Tensor],
     ) -> None:
         # Initialize Optimizer's bookkeeping (hooks, profiling names) on a placeholder, then
-        # share the inner optimizer's groups, state and defaults.
+        # share the inner optimizer's groups, state and defaults (properties below: the inner
+        # optimizer's load_state_dict replaces its group list, and schedulers must follow).
         super().__init__([torch.zeros(0, requires_grad=True)], {})
-        self.param_groups = inner.param_groups
-        self.state = inner.state  # type: ignore[assignment]
-        self.defaults = inner.defaults
         self.optimizer = inner
         self.options = options
         self._scaling = scaling
         self._low = low_params  # model weights in the low dtype ...
         self._masters = masters  # ... and their fp32 masters, index for index
+
+    # The inner optimizer's, always (torch's Optimizer.__init__ assigns placeholders first).
+    def _shared(name: str) -> property:
+        def get(self: AmpOptimizer) -> Any:
+            inner = self.__dict__.get("optimizer")
+            return getattr(inner, name) if inner is not None else self.__dict__["_pre_" + name]
+
+        def set_(self: AmpOptimizer, value: Any) -> None:
+            inner = self.__dict__.get("optimizer")
+            if inner is None:
+                self.__dict__["_pre_" + name] = value
+            else:
+                setattr(inner, name, value)
+
+        return property(get, set_, doc=f"The inner optimizer's ``{name}``.")
+
+    param_groups = _shared("param_groups")  # type: ignore[assignment]
+    state = _shared("state")  # type: ignore[assignment]
+    defaults = _shared("defaults")  # type: ignore[assignment]
+    del _shared
 
     def __repr__(self) -> str:
         return (f"AmpOptimizer({self.options.level.value}, {type(self.optimizer).__name__}, "
