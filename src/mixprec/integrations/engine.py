@@ -126,6 +126,10 @@ def unwrap_optimizer(optimizer: Any) -> Any:
     seen: set[int] = set()
     while id(optimizer) not in seen:
         seen.add(id(optimizer))
+        wrapped = optimizer.__dict__.get("_optimizer") if hasattr(optimizer, "__dict__") else None
+        if isinstance(wrapped, torch.optim.Optimizer):  # LightningOptimizer
+            optimizer = wrapped
+            continue
         if isinstance(optimizer, AmpOptimizer):
             return optimizer
         inner = getattr(optimizer, "_optimizer", None) or getattr(optimizer, "optimizer", None)

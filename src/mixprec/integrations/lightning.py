@@ -241,6 +241,7 @@ class MixprecFabricPrecision(_Common, _FabricPrecision):
         self._init(_config(config, opt_level, dtype, policy=policy, scaler=scaler,
                            options=options), device)  # fmt: skip
         self._amps: dict[int, AmpOptimizer] = {}
+        self._backward_pending = False  # a backward ran since the last optimizer step
 
     def initialize(self, model: torch.nn.Module, *optimizers: Any) -> tuple[Any, ...]:
         """Apply the level to `model` and wrap `optimizers` (O2: over fp32 masters).
@@ -269,8 +270,8 @@ class MixprecFabricPrecision(_Common, _FabricPrecision):
         amp = self._amps.get(id(opt))
         if amp is None:
             amp = self._amps[id(opt)] = self.engine.wrap_optimizer(opt)
-            # Created at its first unscale or step, i.e. after this iteration's backward.
-            amp._scaling.scaled = any(a._scaling.scaled for a in self.engine.optimizers)
+            # Created at its first unscale or step: after this iteration's backward, if any.
+            amp._scaling.scaled = self._backward_pending
         return amp
 
     def convert_output(self, data: Any) -> Any:
@@ -280,6 +281,7 @@ class MixprecFabricPrecision(_Common, _FabricPrecision):
 
     def backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
         self.engine.scale(tensor).backward(*args, **kwargs)
+        self._backward_pending = True
 
     def post_backward(self, tensor: torch.Tensor, module: Any) -> Any:
         self.engine.after_backward()
@@ -290,7 +292,9 @@ class MixprecFabricPrecision(_Common, _FabricPrecision):
                 f"optimizer.step() got keyword arguments {sorted(kwargs)}; a scaled step cannot "
                 f"pass them on. Drop them."
             )
-        return self.engine.step(self._amp_for(optimizer))
+        result = self.engine.step(self._amp_for(optimizer))
+        self._backward_pending = False
+        return result
 
     def unscale_gradients(self, optimizer: Any) -> None:
         self.engine.unscale_(self._amp_for(optimizer))

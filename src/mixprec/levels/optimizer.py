@@ -149,15 +149,21 @@ class AmpOptimizer(torch.optim.Optimizer):
     # The inner optimizer's, always (torch's Optimizer.__init__ assigns placeholders first).
     def _shared(name: str) -> property:
         def get(self: AmpOptimizer) -> Any:
-            inner = self.__dict__.get("optimizer")
-            return getattr(inner, name) if inner is not None else self.__dict__["_pre_" + name]
+            own = self.__dict__
+            if "optimizer" in own:
+                return getattr(own["optimizer"], name)
+            if "_pre_" + name in own:  # inside torch's Optimizer.__init__
+                return own["_pre_" + name]
+            return getattr(self.optimizer, name)  # a wrapper's view (LightningOptimizer)
 
         def set_(self: AmpOptimizer, value: Any) -> None:
-            inner = self.__dict__.get("optimizer")
-            if inner is None:
-                self.__dict__["_pre_" + name] = value
+            own = self.__dict__
+            if "optimizer" in own:
+                setattr(own["optimizer"], name, value)
+            elif hasattr(type(self), "_optimizer") or "_optimizer" in own:
+                setattr(self.optimizer, name, value)
             else:
-                setattr(inner, name, value)
+                own["_pre_" + name] = value
 
         return property(get, set_, doc=f"The inner optimizer's ``{name}``.")
 
