@@ -8,7 +8,8 @@ import sys
 import mixprec
 
 EXPECTED = [
-    "AmpBackend", "AmpOptimizer", "AutocastError", "BannedOpError", "CastReport", "Decision",
+    "AmpBackend", "AmpMetrics", "AmpOptimizer", "AutocastError", "BannedOpError", "CastReport",
+    "Decision",
     "GradScaler", "MixprecError", "compile",
     "OpCategory", "OptLevel", "Policy", "PolicyError", "ScaleConfig", "ScalerCheckpointError",
     "ScalerConfigError", "ScalerStateError", "SkipAwareLR", "TrainStep", "TrainStepError",

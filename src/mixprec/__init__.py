@@ -6,6 +6,7 @@ here may change without notice.
 
 from mixprec._version import __version__
 from mixprec.diagnostics import (
+    AmpMetrics,
     ExplainReport,
     NonFiniteEvent,
     ScaleHistory,
@@ -52,6 +53,7 @@ from mixprec.step import TrainStep, TrainStepError
 
 __all__ = [
     "AmpBackend",
+    "AmpMetrics",
     "AmpOptimizer",
     "AutocastError",
     "BannedOpError",

@@ -122,6 +122,13 @@ def _parser() -> argparse.ArgumentParser:
         "--out", default="mixprec-train", help="output folder, created (default: mixprec-train)"
     )
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        help="also write TensorBoard scalars to DIR/<mode>-seed<k>: train/test loss and accuracy "
+        "per epoch and, for mixprec modes with loss scaling, the loss scale and skipped steps of "
+        "every step (read off the device every 50 steps; needs mixprec[tensorboard])",
+    )
 
     pol = sub.add_parser(
         "policy",
@@ -294,6 +301,16 @@ def _train(args: argparse.Namespace) -> int:
     for path in (png, out_json):
         report.check_writable(path, "--out")
     report.require_matplotlib()
+    if args.tensorboard:
+        try:
+            os.makedirs(args.tensorboard, exist_ok=True)
+        except OSError as err:
+            raise CliError(
+                f"--tensorboard {args.tensorboard!r} cannot be created: {err.strerror}."
+            ) from err
+        from mixprec.integrations.tensorboard import TensorBoardSink  # fails naming the extra
+
+        del TensorBoardSink
     data = datasets.load(args.data)
     seeds = list(range(args.seed, args.seed + args.seeds))
     print(f"{data.describe()}; model {args.model}; {device} {dtype_name(dtype)}; modes "
@@ -302,7 +319,8 @@ def _train(args: argparse.Namespace) -> int:
     try:
         records = train.train(data, model=args.model, modes=modes, epochs=args.epochs,
                               batch_size=args.batch_size, device=device, dtype=dtype,
-                              seeds=seeds, tick=lambda: tick(""))  # fmt: skip
+                              seeds=seeds, tick=lambda: tick(""),
+                              tensorboard=args.tensorboard)  # fmt: skip
     finally:
         close()
     summary = train.summarize(records)
@@ -324,6 +342,9 @@ def _train(args: argparse.Namespace) -> int:
                             "dtype": dtype_name(dtype), "seeds": seeds},
                    "summary": summary, "records": records}, fh, indent=1)  # fmt: skip
     print(f"\nwrote {png} and {out_json}")
+    if args.tensorboard:
+        print(f"wrote TensorBoard logs to {args.tensorboard} (tensorboard --logdir "
+              f"{args.tensorboard})")  # fmt: skip
     return 0
 
 

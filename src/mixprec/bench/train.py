@@ -69,6 +69,7 @@ def _run(
     device: str,
     dtype: torch.dtype,
     tick: Callable[[], None],
+    tensorboard: str | None = None,
 ) -> list[dict[str, Any]]:
     torch.manual_seed(seed)
     model, make_opt = _model(model_name, data)
@@ -111,6 +112,8 @@ def _run(
             return loss
 
         region = null  # the model's own hooks apply the level in eval too
+    scaler = None if mode in ("fp32", "torch.amp") else amp.scaler
+    writer, metrics = _telemetry(tensorboard, f"{mode}-seed{seed}", scaler)
     g = torch.Generator().manual_seed(seed)
     curve: list[dict[str, Any]] = []
     steps, clock = 0, 0.0
@@ -125,6 +128,9 @@ def _run(
             loss = step(data.train_x[idx].to(device), data.train_y[idx].to(device))
             losses.append(loss.detach())
             steps += 1
+            if metrics is not None:
+                metrics.record_loss(loss)  # a device op
+                metrics.step()  # reads the device every 50 steps
         sync()
         clock += time.perf_counter() - t0
         test_loss, test_acc = _evaluate(model, data, device, 256, region)
@@ -133,8 +139,30 @@ def _run(
             "train_loss": float(torch.stack(losses).float().mean()), "test_loss": test_loss,
             "test_accuracy": test_acc,
         })  # fmt: skip
+        if writer is not None:
+            if metrics is not None:
+                metrics.flush()
+            for key in ("train_loss", "test_loss", "test_accuracy"):
+                writer.writer.add_scalar(key.replace("_", "/", 1), curve[-1][key], steps)
+            writer.writer.flush()
         tick()
+    if writer is not None:
+        writer.close()
     return curve
+
+
+def _telemetry(root: str | None, name: str, scaler: Any) -> tuple[Any, Any]:
+    """A TensorBoard writer under `root`/`name` and, with a scaler, AmpMetrics feeding it."""
+    if root is None:
+        return None, None
+    import os
+
+    from mixprec.integrations.tensorboard import TensorBoardSink
+
+    sink = TensorBoardSink(os.path.join(root, name))
+    if scaler is None:
+        return sink, None
+    return sink, mixprec.AmpMetrics(scaler, every=50, sinks=[sink])
 
 
 def _nullregion() -> Any:
@@ -154,12 +182,17 @@ def train(
     dtype: torch.dtype,
     seeds: Sequence[int],
     tick: Callable[[], None] = lambda: None,
+    tensorboard: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Train every (mode, seed); return the per-epoch records of all runs."""
+    """Train every (mode, seed); return the per-epoch records of all runs.
+
+    With `tensorboard`, each run also writes TensorBoard scalars to ``tensorboard/<mode>-seed<k>``.
+    """
     records: list[dict[str, Any]] = []
     for seed in seeds:
         for mode in modes:
-            records += _run(mode, seed, data, model, epochs, batch_size, device, dtype, tick)
+            records += _run(mode, seed, data, model, epochs, batch_size, device, dtype, tick,
+                            tensorboard)  # fmt: skip
     return records
 
 

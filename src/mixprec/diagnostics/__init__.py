@@ -5,9 +5,12 @@
 - `watch_nonfinite`: the first module, phase and op where inf/NaN appeared, flags on the device.
 - `grad_underflow`: gradient elements lost to fp16's range at the current scale and at 2x.
 - `scale_history`: the GradScaler's scale per update and its skipped steps (table, PNG).
+- `AmpMetrics`: the loss scale, skipped steps and inf/NaN losses as named metrics for loggers,
+  read off the device in batches (one sync per batch).
 """
 
 from mixprec.diagnostics.explain import ExplainReport, explain
+from mixprec.diagnostics.metrics import AmpMetrics
 from mixprec.diagnostics.telemetry import (
     ScaleHistory,
     UnderflowReport,
@@ -17,6 +20,7 @@ from mixprec.diagnostics.telemetry import (
 from mixprec.diagnostics.watch import NonFiniteEvent, watch_nonfinite
 
 __all__ = [
+    "AmpMetrics",
     "ExplainReport",
     "NonFiniteEvent",
     "ScaleHistory",
