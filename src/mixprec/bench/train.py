@@ -112,8 +112,8 @@ def _run(
             return loss
 
         region = null  # the model's own hooks apply the level in eval too
-    scaler = None if mode in ("fp32", "torch.amp") else amp.scaler
-    writer, metrics = _telemetry(tensorboard, f"{mode}-seed{seed}", scaler)
+    source = None if mode in ("fp32", "torch.amp") or amp.scaler is None else amp
+    writer, metrics = _telemetry(tensorboard, f"{mode}-seed{seed}", source)
     g = torch.Generator().manual_seed(seed)
     curve: list[dict[str, Any]] = []
     steps, clock = 0, 0.0
@@ -151,8 +151,8 @@ def _run(
     return curve
 
 
-def _telemetry(root: str | None, name: str, scaler: Any) -> tuple[Any, Any]:
-    """A TensorBoard writer under `root`/`name` and, with a scaler, AmpMetrics feeding it."""
+def _telemetry(root: str | None, name: str, amp: Any) -> tuple[Any, Any]:
+    """A TensorBoard writer under `root`/`name` and, for a scaled level, AmpMetrics feeding it."""
     if root is None:
         return None, None
     import os
@@ -160,9 +160,9 @@ def _telemetry(root: str | None, name: str, scaler: Any) -> tuple[Any, Any]:
     from mixprec.integrations.tensorboard import TensorBoardSink
 
     sink = TensorBoardSink(os.path.join(root, name))
-    if scaler is None:
+    if amp is None:
         return sink, None
-    return sink, mixprec.AmpMetrics(scaler, every=50, sinks=[sink])
+    return sink, mixprec.AmpMetrics(amp, every=50, sinks=[sink])
 
 
 def _nullregion() -> Any:

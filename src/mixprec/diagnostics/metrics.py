@@ -97,6 +97,8 @@ class AmpMetrics:
     Args:
         scaler: the `mixprec.GradScaler` (or a TrainStep / ``initialize``'s optimizer / a
             `mixprec.integrations` object that has one). None: only ``record_loss`` counts.
+            Pass ``initialize``'s optimizer itself rather than its scaler: it defers each
+            scale update to the next ``scale_loss``, and a read runs the one still pending.
         every: steps between automatic flushes in ``step()`` (1..1024: the scaler keeps the
             last 1,024 scales, so every step of a batch is still there when it is read).
         names: ``'megatron'`` (default), ``'deepspeed'``, or a `MetricNames`.
@@ -146,6 +148,7 @@ class AmpMetrics:
                 f"{type(names).__name__}."
             )
         self.scaler = _scaler_of(scaler)
+        self._source = scaler
         self.every = every
         self.names = names
         self.watch = watch
@@ -190,6 +193,12 @@ class AmpMetrics:
 
     def _read(self) -> MetricsBatch:
         names = self.names
+        # initialize's optimizers defer the scale update of a finished step: run it now.
+        for obj in (self._source, getattr(self._source, "optimizer", None)):
+            scaling = getattr(obj, "_scaling", None)
+            if scaling is not None:
+                scaling.flush()
+                break
         losses = None if self.scaler is None else self.scaler._losses
         parts: list[torch.Tensor] = []
         device = None
