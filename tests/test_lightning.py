@@ -248,6 +248,7 @@ def test_fabric_o1_and_o2_equal_the_hand_written_loop():
             model, opt = fabric.setup(model, opt)
             sched = mixprec.SkipAwareLR(sched, plugin.scaler)
         losses = []
+        metrics = mixprec.AmpMetrics(plugin, every=STEPS)
         for i, (x, y) in enumerate(_loader()):
             opt.zero_grad()
             loss = F.mse_loss(model(x), y)
@@ -257,6 +258,8 @@ def test_fabric_o1_and_o2_equal_the_hand_written_loop():
             fabric.clip_gradients(model, opt, max_norm=0.5, error_if_nonfinite=False)
             opt.step()
             sched.step()
+            batch = metrics.step()
+        assert [row["skipped-iterations"] for _, row in batch.rows] == [0, 0, 0, 1, 1, 1]
         ref_losses, _, ref = _hand(level, "fp16", bad={3}, clip=0.5)
         assert losses == ref_losses, level
         for a, b in zip(model.parameters(), ref.parameters(), strict=True):

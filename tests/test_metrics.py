@@ -159,3 +159,10 @@ def test_train_cli_writes_tensorboard(tmp_path):
     assert epoch_end >= 4
     assert [e.step for e in acc.Scalars("loss-scale")] == list(range(1, epoch_end + 1))
     assert acc.Scalars("loss-scale")[0].value == 2.0**16
+
+
+def test_integrations_name_the_extra_to_install():
+    from mixprec.integrations import require
+
+    with pytest.raises(ImportError, match=r"pip install 'mixprec\[lightning\]'"):
+        require("lightning_that_is_not_installed", "lightning", "mixprec.integrations.lightning")

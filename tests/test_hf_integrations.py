@@ -1,0 +1,249 @@
+"""mixprec in an Accelerate loop (`AmpAccelerator`) and in ``transformers.Trainer.train``
+(`AmpTrainer`), against hand-written loops and the libraries' own bf16, with injected overflows.
+
+Accelerate runs no autocast for fp16 on a CPU (its fp16 needs a GPU), so the fp16 reference is
+what its fp16 does on a GPU, written by hand: torch.autocast around the forward, outputs cast
+to fp32, torch.amp.GradScaler. mixprec reproduces torch.autocast op for op, so the numbers are
+the same bit for bit.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mixprec
+
+accelerate = pytest.importorskip("accelerate")
+transformers = pytest.importorskip("transformers")
+
+from mixprec.integrations.accelerate import AmpAccelerator  # noqa: E402
+from mixprec.integrations.engine import AmpConfig, IntegrationError  # noqa: E402
+from mixprec.integrations.transformers import AmpMetricsCallback, AmpTrainer  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+INF = float("inf")
+STEPS = 6
+
+
+def _reset_accelerate() -> None:
+    # Accelerate keeps one process-wide state; another mixed_precision needs a fresh one.
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    _reset_accelerate()
+    yield
+    _reset_accelerate()
+
+
+_g = torch.Generator().manual_seed(0)
+X, Y = torch.randn(STEPS * 8, 8, generator=_g), torch.randn(STEPS * 8, 4, generator=_g)
+SCALER = {"init_scale": 2.0**10}
+
+
+def _net() -> torch.nn.Module:
+    torch.manual_seed(1)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 4))  # fmt: skip
+
+
+def _parts():
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, Y), batch_size=8)
+    return model, opt, sched, loader
+
+
+def _lr(opt) -> float:
+    return float(opt.param_groups[0]["lr"])
+
+
+def _accelerate_run(acc, bad=(), clip=0.5, metrics=None):
+    model, opt, sched, loader = acc.prepare(*_parts())
+    losses, lrs, skipped = [], [], []
+    for i, (x, y) in enumerate(loader):
+        lrs.append(_lr(opt))
+        loss = F.mse_loss(model(x), y)
+        losses.append(loss.item())
+        loss = loss * INF if i in bad else loss
+        acc.backward(loss)
+        acc.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        skipped.append(acc.optimizer_step_was_skipped)
+        if metrics is not None:
+            metrics.record_loss(loss)
+            metrics.step()
+    return losses, lrs, skipped, acc.unwrap_model(model)
+
+
+def _hand(level, dtype, bad=(), clip=0.5):
+    model, opt, sched, loader = _parts()
+    model, amp = mixprec.initialize(model, opt, level, dtype=dtype)
+    if amp.scaler is not None:
+        amp.scaler._init_scale = SCALER["init_scale"]
+    sched = mixprec.SkipAwareLR(sched, amp.scaler, optimizer=amp)
+    losses = []
+    for i, (x, y) in enumerate(loader):
+        amp.zero_grad()
+        loss = F.mse_loss(model(x).float(), y)
+        losses.append(loss.item())
+        with mixprec.scale_loss(loss * INF if i in bad else loss, amp) as scaled:
+            scaled.backward()
+        torch.nn.utils.clip_grad_norm_(mixprec.master_params(amp), clip)
+        amp.step()
+        sched.step()
+    return losses, model
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_accelerate_loop_equals_the_hand_written_loop(level):
+    acc = AmpAccelerator(accelerate.Accelerator(cpu=True), level, "fp16", scaler=SCALER)
+    metrics = mixprec.AmpMetrics(acc, every=STEPS)
+    losses, lrs, skipped, model = _accelerate_run(acc, bad={3}, metrics=metrics)
+    ref_losses, ref = _hand(level, "fp16", bad={3})
+    assert losses == ref_losses
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(a, b)
+    # The overflow: skipped, reported, and the schedule (wrapped in SkipAwareLR) held still.
+    assert skipped == [False, False, False, True, False, False]
+    assert lrs == [0.1, 0.05, 0.025, 0.0125, 0.0125, 0.00625]
+    assert metrics.totals == {"loss-scale": 512.0, "skipped-iterations": 1.0,
+                              "nan-iterations": 1.0}  # fmt: skip
+
+
+def test_accelerate_fp16_equals_torch_amp_as_accelerate_runs_it_on_a_gpu():
+    acc = AmpAccelerator(accelerate.Accelerator(cpu=True), "O1", "fp16", scaler=SCALER)
+    losses, _, _, model = _accelerate_run(acc)
+    ref, opt, sched, loader = _parts()
+    scaler = torch.amp.GradScaler("cpu", **SCALER)
+    ref_losses = []
+    for x, y in loader:
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = ref(x)
+        loss = F.mse_loss(out.float(), y)  # Accelerate's convert_outputs_to_fp32
+        ref_losses.append(loss.item())
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+        opt.zero_grad()
+    assert losses == ref_losses
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_accelerate_bf16_equals_accelerates_own_bf16():
+    ours = _accelerate_run(AmpAccelerator(accelerate.Accelerator(cpu=True), "O1", "bf16"))
+    _reset_accelerate()
+    stock = accelerate.Accelerator(cpu=True, mixed_precision="bf16")
+    theirs = _accelerate_run(stock)
+    assert ours[0] == theirs[0]
+    for a, b in zip(ours[3].parameters(), theirs[3].parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_accelerate_refuses_its_own_mixed_precision():
+    with pytest.raises(IntegrationError, match="mixed_precision='no'"):
+        AmpAccelerator(accelerate.Accelerator(cpu=True, mixed_precision="bf16"))
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __init__(self):
+        self.ids = torch.randint(0, 64, (24, 16), generator=torch.Generator().manual_seed(2))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def _gpt2():
+    torch.manual_seed(3)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _args(tmp_path, **kw):
+    return transformers.TrainingArguments(
+        str(tmp_path), per_device_train_batch_size=4, max_steps=6, learning_rate=1e-3,
+        lr_scheduler_type="linear", logging_steps=1, report_to=[], use_cpu=True,
+        save_strategy="no", max_grad_norm=1.0, disable_tqdm=True, **kw,
+    )  # fmt: skip
+
+
+class _LRs(transformers.TrainerCallback):
+    def __init__(self):
+        self.lrs = []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.lrs.append(_lr(kwargs["optimizer"]))
+
+
+def _losses(trainer):
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def test_trainer_bf16_equals_the_trainers_own_bf16(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = transformers.Trainer(model=_gpt2(), args=_args(tmp_path / "a", bf16=True),
+                                      train_dataset=_Tokens())  # fmt: skip
+        theirs.train()
+        _reset_accelerate()
+        ours = AmpTrainer(model=_gpt2(), args=_args(tmp_path / "b"), train_dataset=_Tokens(),
+                          amp=AmpConfig("O1", "bf16"))  # fmt: skip
+        ours.train()
+    assert _losses(ours) == _losses(theirs)
+    for a, b in zip(ours.model.parameters(), theirs.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+class _Overflow(AmpTrainer):
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        loss = super().compute_loss(model, inputs, *args, **kwargs)
+        return loss * INF if self.state.global_step == 2 else loss
+
+
+def test_trainer_skips_an_overflow_holds_the_schedule_and_logs_it(tmp_path):
+    pytest.importorskip("tensorboard")
+    lrs = _LRs()
+    callback = AmpMetricsCallback(every=4, tensorboard_dir=str(tmp_path / "tb"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = _Overflow(model=_gpt2(), args=_args(tmp_path / "c"), train_dataset=_Tokens(),
+                            amp=AmpConfig("O2", "fp16", scaler=SCALER), callbacks=[lrs],
+                            amp_callback=callback)  # fmt: skip
+        trainer.train()
+    assert lrs.lrs[2] == lrs.lrs[3] > lrs.lrs[4]  # the schedule did not advance at step 3
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["loss-scale"] for h in logs] == [1024.0, 1024.0, 512.0, 512.0, 512.0, 512.0]
+    assert [h["skipped-iterations"] for h in logs] == [0, 0, 1, 1, 1, 1]
+    assert logs[-1]["nan-iterations"] == 1  # its loss was inf
+    assert callback.events[0][0] == 3
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [e.value for e in acc.Scalars("loss-scale")] == [1024.0] * 3 + [512.0] * 3
+    assert isinstance(trainer.optimizer.optimizer, mixprec.AmpOptimizer)
+    assert trainer.optimizer.optimizer.optimizer.param_groups[0]["params"][0].dtype == torch.float32
+
+
+def test_trainer_refuses_its_own_fp16_flag(tmp_path):
+    with pytest.raises(IntegrationError, match="leave bf16=False"):
+        AmpTrainer(model=_gpt2(), args=_args(tmp_path, bf16=True), train_dataset=_Tokens())
