@@ -368,3 +368,31 @@ def test_two_optimizers_share_one_scale_update_per_iteration():
                                                          strict=True))  # fmt: skip
     assert oa.loss_scale == ob.loss_scale == 2.0**15  # one backoff, not one per optimizer
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_amp_optimizer_groups_follow_the_inner_optimizer_after_load_state_dict():
+    """torch's load_state_dict replaces the group list: schedulers on the wrapper must follow."""
+    model = torch.nn.Linear(4, 4)
+    _, amp = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2",
+                                dtype="bf16")  # fmt: skip
+    amp.load_state_dict(amp.state_dict())
+    sched = torch.optim.lr_scheduler.StepLR(amp, 1, gamma=0.5)
+    amp.step()
+    sched.step()
+    assert amp.optimizer.param_groups[0]["lr"] == 0.05
+    assert amp.param_groups is amp.optimizer.param_groups and amp.state is amp.optimizer.state
+
+
+def test_skip_aware_lr_writes_the_optimizer_that_stands_in():
+    """A scheduler built on the original optimizer, then O2: SkipAwareLR(optimizer=) rebinds."""
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    _, amp = mixprec.initialize(model, opt, "O2", dtype="bf16")
+    held = mixprec.SkipAwareLR(sched, None, optimizer=amp)
+    amp.step()
+    held.step()
+    assert amp.param_groups[0]["lr"] == 0.05 and opt.param_groups[0]["lr"] == 0.1
+    with pytest.raises(mixprec.ScalerConfigError, match="param group"):
+        mixprec.SkipAwareLR(sched, None, optimizer=torch.optim.SGD(
+            [{"params": [torch.zeros(1)]}, {"params": [torch.ones(1)]}], lr=1))  # fmt: skip
