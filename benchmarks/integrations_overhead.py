@@ -103,14 +103,21 @@ def main() -> None:
     prec, dtype = ("16-mixed", "fp16") if device == "cuda" else ("bf16-mixed", "bf16")
     ratios: dict[str, list[float]] = {"lightning O1 / Lightning MixedPrecision": [],
                                       "fp16 loop with AmpMetrics / without": []}  # fmt: skip
-    for _ in range(args.rounds):
-        theirs = _lightning_fit(MixedPrecision(prec, device), device, args.width, args.steps)
-        ours = _lightning_fit(MixprecPrecision("O1", dtype, device=device), device, args.width,
-                              args.steps)  # fmt: skip
-        ratios["lightning O1 / Lightning MixedPrecision"].append(ours / theirs)
-        plain = _hand_loop(device, args.width, args.steps, metrics=False)
-        metered = _hand_loop(device, args.width, args.steps, metrics=True)
-        ratios["fp16 loop with AmpMetrics / without"].append(metered / plain)
+    _lightning_fit(MixedPrecision(prec, device), device, args.width, 5)  # warm-up, untimed
+    for r in range(args.rounds):
+        # Alternate which runs first, so that neither always gets the warmer caches.
+        runs = {
+            "theirs": lambda: _lightning_fit(MixedPrecision(prec, device), device, args.width,
+                                             args.steps),
+            "ours": lambda: _lightning_fit(MixprecPrecision("O1", dtype, device=device), device,
+                                           args.width, args.steps),
+            "plain": lambda: _hand_loop(device, args.width, args.steps, metrics=False),
+            "metered": lambda: _hand_loop(device, args.width, args.steps, metrics=True),
+        }  # fmt: skip
+        order = list(runs) if r % 2 == 0 else ["ours", "theirs", "metered", "plain"]
+        t = {name: runs[name]() for name in order}
+        ratios["lightning O1 / Lightning MixedPrecision"].append(t["ours"] / t["theirs"])
+        ratios["fp16 loop with AmpMetrics / without"].append(t["metered"] / t["plain"])
     report = {"device": device, "torch": torch.__version__, "dtype": dtype, "rounds": args.rounds,
               "steps": args.steps, "width": args.width, "ratios": {}}  # fmt: skip
     for name, values in ratios.items():
