@@ -88,6 +88,13 @@ device limits this suite is built for (docs/gpu.md has the exact commands):
   - the package is not installed there: every part gets PYTHONPATH=src (+ the wheels)"""
 
 
+_STATUS_NOTES = """\
+a part ends ok, failed (exit status, unreadable output, failing tests or variants: the figures
+it has are kept), timeout, or skipped (missing module, budget); the suite goes on either way
+and exits 0 only if every part it ran is ok. Goals: MET, MISSED, NOT MEASURED (why), NOT
+JUDGED (a CPU run: the goals are GPU claims)."""
+
+
 def _epilog() -> str:
     rows = [
         f"  {p.priority:3d}  {p.name:17s} ~{p.estimate_s / 60:4.1f} min (limit "
@@ -97,9 +104,11 @@ def _epilog() -> str:
     total = sum(p.estimate_s for p in PARTS) / 60
     return ("parts, in the order they run (priority, name, expected GPU time, timeout, what):\n"
             + "\n".join(rows) + f"\n  expected in all: ~{total:.0f} min of GPU time\n\n"
-            + _DEVICE_NOTES + "\n\nexamples:\n"
-            "  PYTHONPATH=src python benchmarks/gpu_suite.py --out $OUT --budget-min 9 "
-            "--only a,b,c,e,f\n"
+            + _DEVICE_NOTES + "\n\n" + _STATUS_NOTES + "\n\nexamples (one device session: "
+            "three calls, then the merge here):\n"
+            "  python3 benchmarks/gpu_suite.py --out $OUT --budget-min 9 --only a,b,c,d-mlp,e\n"
+            "  python3 benchmarks/gpu_suite.py --out $OUT --budget-min 9 --only d-resnet50,d-gpt2\n"
+            "  python3 benchmarks/gpu_suite.py --out $OUT --budget-min 9 --only f,g,h\n"
             "  python benchmarks/gpu_suite.py --smoke --out /tmp/smoke\n"
             "  python benchmarks/gpu_suite.py --summarize call1 call2 call3 --out merged\n"
             "  python benchmarks/gpu_suite.py --dry-run --only d")  # fmt: skip
@@ -114,7 +123,7 @@ def _parser() -> argparse.ArgumentParser:
         "part's figures, status and goals as soon as it ends; write one markdown summary.",
         epilog=_epilog(),
     )  # fmt: skip
-    ap.add_argument("--out", required=True, metavar="DIR",
+    ap.add_argument("--out", metavar="DIR",
                     help="output folder (created): results.json, summary.md, logs.tar.gz, "
                     "bench.png; earlier suite files there are replaced")  # fmt: skip
     ap.add_argument("--budget-min", type=float, default=25.0, metavar="MIN",
@@ -201,7 +210,10 @@ def _report(doc: dict[str, Any]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not args.out and not args.dry_run:
+        parser.error("--out DIR is required (where results.json and summary.md go)")
     if args.summarize:
         return summarize(args.summarize, args.out)
     from suite.env import git_commit, install_wheels, part_env, probe
@@ -215,7 +227,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"expected: ~{sum(p.estimate_s for p in parts) / 60:.1f} min")
         return 0
     t0 = time.monotonic()
-    install_signal_handlers()
     os.makedirs(args.out, exist_ok=True)
     for name in OUTPUTS:  # earlier results must not mix with this call's
         for path in (os.path.join(args.out, name), os.path.join(args.out, name + ".tmp")):
@@ -269,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     def make_ctx(part: Part) -> Context:
         return Context(args.smoke, device, os.path.join(work_root, part.name), ROOT)
 
+    install_signal_handlers()  # from here on, a SIGTERM still writes what is finished
     try:
         run_parts(parts, make_ctx=make_ctx, env=env, budget_s=args.budget_min * 60,
                   started=t0, meta=meta, modules=info.get("modules", {}),

@@ -45,7 +45,7 @@ import torch
 
 import mixprec
 from mixprec.bench.report import metadata
-from mixprec.bench.workloads import WORKLOADS, Workload
+from mixprec.bench.workloads import WORKLOADS, Workload, WorkloadSize
 
 VARIANTS = (
     "fp32", "torch.amp fp16", "torch.amp bf16", "torch.amp+compile bf16", "manual fp16",
@@ -217,6 +217,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="steps per round (default 20 GPU)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="batch size instead of the workload's (toy sizes for smoke runs)",
+    )
     ap.add_argument("--compile-backend", default="inductor",
                     help="torch.compile backend of the +compile variants (default inductor; "
                     "eager or aot_eager make smoke runs fast)")  # fmt: skip
@@ -234,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     for wname in args.workloads.split(","):
         workload = WORKLOADS[wname]
         size = workload.size(args.full, device)
+        if args.batch:
+            size = WorkloadSize(f"{size.description}; batch set to {args.batch}", size.steps,
+                                size.warmup, {**size.params, "batch": args.batch})  # fmt: skip
         steps = args.steps or (20 if device == "cuda" else max(2, size.steps // 4))
         block = []
         for name in names:

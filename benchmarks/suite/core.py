@@ -6,8 +6,9 @@ runs parts in priority order, each in its own process group with its own timeout
 every finished record to a callback at once (the suite rewrites its output files there, so a
 call killed at its time limit still leaves every finished part behind).
 
-Statuses: ``ok``; ``failed`` (non-zero exit, an extraction error, or problems the extractor
-reported, such as failing tests; figures are kept when they could be read); ``timeout``;
+Statuses: ``ok``; ``failed`` (an exit status outside the part's ``ok_returncodes``, an output
+that cannot be read, or problems the extractor reported, such as failing tests, in which case
+the figures are kept); ``timeout``;
 ``skipped`` (a missing Python module, or not enough budget left; the reason says which and
 what to do).
 """
@@ -240,7 +241,7 @@ def run_part(part: Part, ctx: Context, *, env: dict[str, str], timeout: float,
         reasons.append(f"killed after its timeout of {timeout:.0f} s")
     elif rc not in part.ok_returncodes:
         reasons.append(f"exit status {rc}")
-    if not timed_out:
+    else:
         try:
             figures = part.extract(ctx, output)
         except Exception as err:  # a part whose output cannot be read is a failed part

@@ -195,8 +195,11 @@ def extract_scaler(ctx: Context, log: str) -> Figures:
     doc = _load(ctx, "e-scaler.json")
     f = Figures(raw=doc)
     by = {r["variant"]: r for r in doc["rows"]}
-    f.table = [{k: v for k, v in r.items() if k != "workload"} | {"workload": r["workload"]}
-               for r in doc["rows"]]  # fmt: skip
+    f.table = [{"workload": r["workload"], "variant": r["variant"],
+                "ms": r.get("ms_per_iteration", r.get("ms")),
+                "step+update host ms": r.get("step_update_host_ms"),
+                "x torch": r.get("step_update_speedup_vs_torch", r.get("throughput_vs_torch")),
+                "GB/s": r.get("GB_per_s")} for r in doc["rows"]]  # fmt: skip
     default, sync = by["mixprec.GradScaler"], by["mixprec.GradScaler(skip_mode='sync')"]
     f.put(
         "step+update speed-up vs torch (mixprec default)", default["step_update_speedup_vs_torch"]

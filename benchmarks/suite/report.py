@@ -19,6 +19,16 @@ from suite.core import Part
 VERDICTS = ("MET", "MISSED", "NOT MEASURED", "NOT JUDGED")
 
 
+def _rounded(value: Any) -> Any:
+    if isinstance(value, float):
+        return float(f"{value:.4g}")
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    return value
+
+
 def fmt(value: Any) -> str:
     """A figure for a table cell: short, no pipes or newlines."""
     if value is None:
@@ -28,7 +38,7 @@ def fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     if isinstance(value, (list, dict)):
-        value = json.dumps(value, default=str)
+        value = json.dumps(_rounded(value), default=str)
     text = str(value).replace("|", "/").replace("\n", " ")
     return text if len(text) <= 160 else text[:157] + "..."
 
