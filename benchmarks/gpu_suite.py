@@ -1,6 +1,6 @@
 """Every GPU promise of mixprec, measured by one command that survives partial failure.
 
-    PYTHONPATH=src python benchmarks/gpu_suite.py --out DIR [--budget-min 25] [--only a,b,c]
+    python benchmarks/gpu_suite.py --out DIR [--budget-min 25] [--only a,b,c] [--wheels .whl]
     python benchmarks/gpu_suite.py --smoke --out /tmp/smoke          # toy sizes on the CPU
     python benchmarks/gpu_suite.py --summarize CALL1 CALL2 CALL3 --out DIR   # merge calls
 
@@ -11,7 +11,7 @@ its estimate fits the time left, and its timeout is cut to the time left, so the
 itself before an outer limit kills it. Every part inherits ``PYTHONPATH=src:...`` (the package
 runs from the working tree) plus the wheels found in ``--wheels`` (installed once per call).
 
-Output (``--out``, flat, at most 5 files, names in ``[A-Za-z0-9._-]``, all rewritten as soon as
+Output (``--out``, flat, 4 files, names in ``[A-Za-z0-9._-]``, all rewritten as soon as
 a part finishes, so a call killed at its limit still returns every finished part):
 
     results.json   every part's record: command, device name, torch/CUDA/Python/mixprec versions,
@@ -28,16 +28,23 @@ minutes per command, 30 minutes in all) and builds the summary here. docs/gpu.md
 exact carry + run commands and a split of the parts into calls.
 
 Adding a part (distributed, graph AMP under compile, FP8, ...) takes a few lines: write or reuse
-a script that runs at ``--smoke`` sizes on a CPU too and writes JSON, then append to `PARTS`::
+a script that also runs at toy sizes on a CPU and writes JSON, then add a `Part` to `PARTS` in
+``benchmarks/suite/parts.py``, with a reader in ``benchmarks/suite/extract.py``::
 
-    PARTS.append(Part(
+    def extract_fp8(ctx: Context, log: str) -> Figures:      # suite/extract.py
+        rows = _load(ctx, "i.json")
+        f = Figures(raw=rows, table=rows)
+        f.put("fp8 / bf16 time", _ratio(rows[1]["ms"], rows[0]["ms"]))
+        return f
+
+    Part(                                                    # suite/parts.py, in PARTS
         name="i-fp8", title="FP8 matmul step vs bf16", priority=90, estimate_s=60,
         timeout_s=240,
         command=lambda ctx: [ctx.python, "benchmarks/fp8.py", "--json", ctx.path("i.json")]
         + (["--device", "cpu", "--steps", "1"] if ctx.smoke else []),
-        extract=lambda ctx, log: _figures_from(ctx.path("i.json"), ...),
+        extract=ex.extract_fp8,
         goals=(Goal("fp8 / bf16 time", "<=", 0.8, "FP8 step <= 0.8x bf16"),),
-    ))
+    ),
 
 tests/test_gpu_suite.py runs ``--smoke``, so every registered part must run there, on a CPU,
 within the suite's two-minute smoke budget.
@@ -216,8 +223,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--out DIR is required (where results.json and summary.md go)")
     if args.summarize:
         return summarize(args.summarize, args.out)
-    from suite.env import git_commit, install_wheels, part_env, probe
-
     parts = select(PARTS, args.only)
     if args.dry_run:
         for p in parts:
@@ -226,18 +231,36 @@ def main(argv: list[str] | None = None) -> int:
                   f" s: {shlex.join(p.command(ctx))}")  # fmt: skip
         print(f"expected: ~{sum(p.estimate_s for p in parts) / 60:.1f} min")
         return 0
+    temps: list[str] = []  # scratch folders this call made (removed at the end)
+    try:
+        return _run(args, parts, argv, temps)
+    finally:
+        for path in temps:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _temp(prefix: str, temps: list[str]) -> str:
+    path = tempfile.mkdtemp(prefix=prefix)
+    temps.append(path)
+    return path
+
+
+def _run(args: argparse.Namespace, parts: list[Part], argv: list[str] | None,
+         temps: list[str]) -> int:  # fmt: skip
+    """One call: prepare the parts' environment, run the parts, write the outputs."""
+    from suite.env import git_commit, install_wheels, part_env, probe
+
     t0 = time.monotonic()
     os.makedirs(args.out, exist_ok=True)
     for name in OUTPUTS:  # earlier results must not mix with this call's
         for path in (os.path.join(args.out, name), os.path.join(args.out, name + ".tmp")):
             if os.path.exists(path):
                 os.remove(path)
-    work_root = args.workdir or tempfile.mkdtemp(prefix="gpu_suite_")
+    work_root = args.workdir or _temp("gpu_suite_", temps)
     os.makedirs(work_root, exist_ok=True)
-    wheel_dir = args.wheels or (
-        os.path.join(ROOT, ".whl") if os.path.isdir(os.path.join(ROOT, ".whl")) else None
-    )
-    wheels, paths, wheel_note = install_wheels(wheel_dir, tempfile.mkdtemp(prefix="gpu_site_"))
+    default_wheels = os.path.join(ROOT, ".whl")
+    wheel_dir = args.wheels or (default_wheels if os.path.isdir(default_wheels) else None)
+    wheels, paths, wheel_note = install_wheels(wheel_dir, _temp("gpu_site_", temps))
     env = part_env(ROOT, paths, args.smoke)
     info = probe(env, sorted({m for p in parts for m in p.requires}), ROOT)
     device = "cuda" if info.get("cuda_available") else "cpu"
@@ -249,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     call = {**meta, "command": shlex.join(["python", "benchmarks/gpu_suite.py",
                                            *(argv if argv is not None else sys.argv[1:])]),
             "started": now(), "ended": None, "duration_s": 0.0, "budget_min": args.budget_min,
-            "wheels": wheels, "wheels_note": wheel_note, "work": work_root,
+            "wheels": wheels, "wheels_note": wheel_note,
             "modules": info.get("modules", {}), "parts_run": []}  # fmt: skip
     doc: dict[str, Any] = {"format": FORMAT, "calls": [call], "parts": {}}
     fatal = info.get("probe_error") or info.get("torch_error") or info.get("mixprec_error")

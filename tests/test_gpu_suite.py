@@ -304,7 +304,8 @@ def test_help_explains_options_parts_and_device_limits(capsys):
     assert "10 minutes" in text and "8 files" in text and "PYTHONPATH=src" in text
 
 
-def test_git_commit_without_git(tmp_path):
+def test_git_commit_without_git(tmp_path, monkeypatch):
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))  # no enclosing repo
     assert env.git_commit(str(tmp_path)) == "unknown"
     git = tmp_path / ".git"
     (git / "refs" / "heads").mkdir(parents=True)
@@ -324,3 +325,106 @@ def test_parts_get_the_source_tree_on_pythonpath(monkeypatch):
     assert penv["CUDA_VISIBLE_DEVICES"] == "" and penv["PYTHONUNBUFFERED"] == "1"
     full = env.part_env("/repo", [], smoke=False)  # a full run sees the GPU as the caller does
     assert full.get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def _cuda_ctx(tmp_path) -> core.Context:
+    return core.Context(False, "cuda", str(tmp_path), str(ROOT))
+
+
+def _judge(part_name: str, figures: core.Figures) -> dict[str, str]:
+    part = next(p for p in gpu_suite.PARTS if p.name == part_name)
+    return {g.figure: g.judge(figures, "cuda")["verdict"] for g in part.goals}
+
+
+def test_graph_step_figures_from_a_gpu_shaped_table(tmp_path):
+    """What d-* reads from a CUDA run of graph_step (numbers made up, shape as written)."""
+    from suite import extract
+
+    ms = {"fp32": 28.0, "torch.amp fp16": 25.0, "torch.amp bf16": 25.0,
+          "torch.amp+compile bf16": 18.0, "manual fp16": 5.0, "manual bf16": 7.0,
+          "O1 eager fp16": 26.0, "O1 eager bf16": 26.0, "TrainStep O1 fp16": 5.5,
+          "TrainStep O1 bf16": 6.3, "TrainStep O2 fp16": 4.5, "TrainStep O1 fp16 any-opt": 6.0,
+          "TrainStep O1 bf16+compile": 17.0}  # fmt: skip
+    peak = {v: 500.0 for v in ms} | {"TrainStep O2 fp16": 560.0}
+    rows = [
+        {
+            "workload": "resnet50",
+            "variant": v,
+            "status": "ok",
+            "reason": "replaying",
+            "ms_per_step": t,
+            "peak_MiB": peak[v],
+            "captured": True if v.startswith("TrainStep") else None,
+        }
+        for v, t in ms.items()
+    ]
+    rows[-2].update(captured=False, reason="running eagerly: a watch is active")
+    (tmp_path / "d-resnet50.json").write_text(json.dumps(rows))
+    f = extract.extract_graph_step(_cuda_ctx(tmp_path), "", "d-resnet50")
+    assert f.values["TrainStep O1 fp16 / manual fp16"] == pytest.approx(1.1)
+    assert f.values["TrainStep O1 bf16 / manual bf16"] == pytest.approx(0.9)
+    assert f.values["TrainStep O1 fp16 / fp32 eager"] == pytest.approx(5.5 / 28)
+    assert f.values["max peak / torch.amp peak"] == pytest.approx(1.12)
+    assert f.values["worst peak row"] == "TrainStep O2 fp16 vs torch.amp fp16"
+    assert f.values["TrainStep rows not captured"] == {
+        "TrainStep O1 fp16 any-opt": "running eagerly: a watch is active"
+    }
+    assert not f.problems
+    assert _judge("d-resnet50", f) == {
+        "TrainStep O1 fp16 / manual fp16": "MISSED",
+        "TrainStep O1 bf16 / manual bf16": "MET",
+        "TrainStep O1 fp16 / fp32 eager": "MET",
+        "max peak / torch.amp peak": "MISSED",
+    }
+    rows[4].update(status="failed", reason="RuntimeError: capture failed")
+    (tmp_path / "d-resnet50.json").write_text(json.dumps(rows))
+    f = extract.extract_graph_step(_cuda_ctx(tmp_path), "", "d-resnet50")
+    assert f.problems == ["manual fp16 failed: RuntimeError: capture failed"]
+    assert f.values["TrainStep O1 fp16 / manual fp16"] is None
+    assert "capture failed" in f.unmeasured["TrainStep O1 fp16 / manual fp16"]
+
+
+def test_autocast_list_figures_from_a_gpu_shaped_junit_file(tmp_path):
+    from suite import extract
+
+    cases = {"fp16-torch_fp16:conv1d": "", "bf16-torch_fp16:conv1d": "",
+             "fp16-torch_fp16:cudnn_convolution": "", "bf16-torch_fp16:gru_cell":
+             '<failure message="gru_cell (bf16): mixprec float32 vs torch bfloat16"/>',
+             "fp16-torch_expect_builtin_promote:equal": ""}  # fmt: skip
+    body = "".join(f'<testcase classname="tests.test_autocast_lists" '
+                   f'name="test_cuda_lists_on_gpu[{k}]">{v}</testcase>'
+                   for k, v in cases.items())  # fmt: skip
+    (tmp_path / "b.xml").write_text(f"<testsuites><testsuite>{body}</testsuite></testsuites>")
+    f = extract.extract_autocast_lists(_cuda_ctx(tmp_path), "")
+    assert (f.values["fp16 entries passed"], f.values["fp16 entries failing"]) == (3, 0)
+    assert (f.values["bf16 entries passed"], f.values["bf16 entries failing"]) == (1, 1)
+    assert f.values["entries a CPU build cannot run, on this device"] == {
+        "fp16-torch_fp16:cudnn_convolution": "passed",
+        "bf16-torch_fp16:gru_cell": "failed",
+        "fp16-torch_expect_builtin_promote:equal": "passed",
+    }
+    assert f.problems == ["1 list entries failed: test_cuda_lists_on_gpu[bf16-torch_fp16:gru_cell]"]
+    assert f.table[0]["message"] == "gru_cell (bf16): mixprec float32 vs torch bfloat16"
+    assert _judge("b-autocast-lists", f) == {"fp16 entries failing": "MET",
+                                             "bf16 entries failing": "MISSED"}  # fmt: skip
+
+
+def test_no_sync_figures_judge_only_the_sync_free_configurations(tmp_path):
+    from suite import extract
+
+    rows = [{"kind": "sgd-momentum", "status": "ok", "syncs_per_step": 0.0,
+             "expected_syncs_per_step": 0, "skipped_updates": 1, "error_mode": "no sync"},
+            {"kind": "adam-foreach", "status": "ok", "syncs_per_step": 1.0,
+             "expected_syncs_per_step": 1, "skipped_updates": 1, "error_mode": "raised at x"},
+            {"kind": "trainstep-O1-adam", "status": "ok", "syncs_per_step": 0.5,
+             "expected_syncs_per_step": 0, "skipped_updates": 1, "error_mode": "raised at y",
+             "captured": True}]  # fmt: skip
+    (tmp_path / "c.json").write_text(json.dumps({"meta": {}, "rows": rows}))
+    f = extract.extract_no_sync(_cuda_ctx(tmp_path), "")
+    assert f.values["max syncs/step (sync-free configurations)"] == 0.5
+    assert f.values["adam-foreach syncs/step"] == 1.0
+    assert _judge("c-no-sync", f) == {"max syncs/step (sync-free configurations)": "MISSED"}
+    rows[2]["syncs_per_step"] = 0.0
+    (tmp_path / "c.json").write_text(json.dumps({"meta": {}, "rows": rows}))
+    f = extract.extract_no_sync(_cuda_ctx(tmp_path), "")
+    assert _judge("c-no-sync", f) == {"max syncs/step (sync-free configurations)": "MET"}
