@@ -138,6 +138,12 @@ def extract_no_sync(ctx: Context, log: str) -> Figures:
         f.put(f"{r['kind']} syncs/step", r.get("syncs_per_step"),
               r.get("why_no_count") or r.get("reason") or "not counted")  # fmt: skip
     f.problems += [f"{r['kind']}: {r['reason']}" for r in rows if r["status"] != "ok"]
+    # The two checks must agree: a step that raised under "error" had a sync "warn" must count.
+    raised = [r["kind"] for r in rows if str(r.get("error_mode", "")).startswith("raised")]
+    f.put("error mode raised in", raised or "none")
+    f.problems += [f"{r['kind']}: the error-mode step raised but 'warn' counted no sync; "
+                   f"the count is wrong" for r in rows
+                   if r["kind"] in raised and r.get("syncs_per_step") == 0]  # fmt: skip
     return f
 
 
