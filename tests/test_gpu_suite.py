@@ -320,7 +320,9 @@ def test_git_commit_without_git(tmp_path, monkeypatch):
 
 def test_parts_get_the_source_tree_on_pythonpath(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     penv = env.part_env("/repo", ["/wheels/site"], smoke=True)
+    assert penv["OMP_NUM_THREADS"] == "1"
     assert penv["PYTHONPATH"].split(os.pathsep) == ["/repo/src", "/wheels/site", "/repo",
                                                     "/elsewhere"]  # fmt: skip
     assert penv["CUDA_VISIBLE_DEVICES"] == "" and penv["PYTHONUNBUFFERED"] == "1"

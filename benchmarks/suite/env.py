@@ -3,7 +3,7 @@
 - `part_env`: every part gets ``PYTHONPATH=<root>/src:<carried wheels>:<root>:$PYTHONPATH`` (the
   package runs from the working tree, not installed), unbuffered output, a headless matplotlib,
   and in smoke runs no visible GPU (``CUDA_VISIBLE_DEVICES=''``: toy sizes on the CPU even on a
-  GPU machine).
+  GPU machine) and one CPU thread per part unless ``OMP_NUM_THREADS`` says otherwise.
 - `probe`: one subprocess in that environment reports the device, torch/CUDA/Python versions
   and which of the parts' required modules import (and, if not, which module is missing), so
   the parent never touches CUDA itself.
@@ -74,6 +74,9 @@ def part_env(root: str, extra_paths: Sequence[str], smoke: bool) -> dict[str, st
     env["MPLBACKEND"] = "Agg"
     if smoke:
         env["CUDA_VISIBLE_DEVICES"] = ""
+        # Toy sizes measure nothing; one thread keeps them quick on a small or shared CPU,
+        # where two oneDNN threads per process spin against other work (3-4x slower seen).
+        env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
 
