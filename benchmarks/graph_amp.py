@@ -109,8 +109,8 @@ def _workloads(device: str, smoke: bool) -> dict[str, tuple[Callable[[], Any], m
     return out
 
 
-def _variants(device, dtype, policy, model, loss):
-    compiled = torch.compile(loss)
+def _variants(device, dtype, policy, model, loss, backend):
+    compiled = torch.compile(loss, backend=backend)
 
     def region_compile(ctx):
         def run(*b):
@@ -119,8 +119,8 @@ def _variants(device, dtype, policy, model, loss):
 
         return run
 
-    exact = mixprec.compile(loss, dtype=dtype, policy=policy, casts="exact")
-    minimal = mixprec.compile(loss, dtype=dtype, policy=policy, casts="minimal")
+    exact = mixprec.compile(loss, dtype=dtype, policy=policy, casts="exact", backend=backend)
+    minimal = mixprec.compile(loss, dtype=dtype, policy=policy, casts="minimal", backend=backend)
     return {
         "torch.autocast + compile": region_compile(lambda: torch.autocast(device, dtype=dtype)),
         "mixprec.autocast + compile": region_compile(
@@ -141,17 +141,26 @@ def _step(model, fn, batch) -> None:
     fn(*batch).backward()
 
 
-def run(device: str, rounds: int, steps: int, smoke: bool) -> dict[str, Any]:
+def run(
+    device: str,
+    rounds: int,
+    steps: int,
+    smoke: bool,
+    backend: str = "inductor",
+    only: list[str] | None = None,
+) -> dict[str, Any]:
     dtype = torch.bfloat16 if device == "cpu" else torch.float16
     rows = []
     for name, (make, policy) in _workloads(device, smoke).items():
+        if only and not any(name.startswith(w) for w in only):
+            continue
         torch._dynamo.reset()
         model, loss, batch = make()
         counter = CastCounter()
         with counter, mixprec.autocast(device, dtype=dtype, policy=policy):
             loss(*batch)
         eager_casts = sum(n for (a, b), n in counter.casts.items() if a != b)
-        variants, reported = _variants(device, dtype, policy, model, loss)
+        variants, reported = _variants(device, dtype, policy, model, loss, backend)
         for fn in variants.values():  # compile and warm up
             for _ in range(2):
                 _step(model, fn, batch)
@@ -187,6 +196,7 @@ def run(device: str, rounds: int, steps: int, smoke: bool) -> dict[str, Any]:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "threads": torch.get_num_threads(),
+        "backend": backend,
         "rounds": rounds,
         "steps_per_round": steps,
         "rows": rows,
@@ -219,9 +229,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=9, help="interleaved rounds (default 9)")
     parser.add_argument("--steps", type=int, default=5, help="steps per block (default 5)")
     parser.add_argument("--smoke", action="store_true", help="toy sizes, for a quick check")
+    parser.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="the backend every variant compiles with (default inductor)",
+    )
+    parser.add_argument("--workloads", help="comma-separated workload name prefixes "
+                        "(gpt2, pingpong, llama; default all)")  # fmt: skip
     parser.add_argument("--json", metavar="PATH", help="write the result as JSON")
     args = parser.parse_args(argv)
-    result = run(args.device, args.rounds, args.steps, args.smoke)
+    only = args.workloads.split(",") if args.workloads else None
+    result = run(args.device, args.rounds, args.steps, args.smoke, args.compile_backend, only)
     print(_table(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -246,6 +246,25 @@ def extract_autocast(ctx: Context, log: str) -> Figures:
     return f
 
 
+# ------------------------------------------------------------------ i: graph-level AMP
+
+
+def extract_graph_amp(ctx: Context, log: str) -> Figures:
+    doc = _load(ctx, "i-graph-amp.json")
+    f = Figures(raw=doc)
+    f.table = doc["rows"]
+    f.put("backend", f"{doc.get('backend', '?')}, {doc['device']}, {doc['rounds']} rounds")
+    for r in doc["rows"]:
+        if r["variant"].startswith("mixprec.compile"):
+            key = f"{r['variant']} / torch.autocast+compile ({r['workload']})"
+            f.put(key, r["ratio_to_torch_compile"])
+            f.put(
+                f"{r['variant']} casts ({r['workload']})",
+                f"{r['casts_recorded']} -> {r['casts_after_pass']} (eager {r['eager_casts']})",
+            )
+    return f
+
+
 # ------------------------------------------------------------------ f: opt levels
 
 

@@ -149,6 +149,18 @@ PARTS: list[Part] = [
         extract=ex.extract_nan,
     ),
     Part(
+        name="i-graph-amp", priority=75, estimate_s=180, timeout_s=420,
+        title="graph-level AMP (mixprec.compile) vs torch.autocast + compile, inductor: "
+        "GPT-2-like, Linear-LayerNorm ping-pong, Llama",
+        command=lambda ctx: [ctx.python, "benchmarks/graph_amp.py", "--json",
+                             ctx.path("i-graph-amp.json")]
+        + (["--device", "cpu", "--smoke", "--rounds", "1", "--steps", "1", "--compile-backend",
+            "eager", "--workloads", "gpt2"] if ctx.smoke else ["--device", "cuda"]),
+        extract=ex.extract_graph_amp,
+        goals=(Goal("mixprec.compile (exact) / torch.autocast+compile (gpt2-like)", "<=", 1.0,
+                    "mixprec.compile <= 1.0x torch.autocast + compile (GPT-2-like, time)"),),
+    ),
+    Part(
         name="h-bench", priority=80, estimate_s=150, timeout_s=480,
         title="mixprec bench all --full, with JSON and PNG",
         command=lambda ctx: [ctx.python, "-m", "mixprec", "bench",
