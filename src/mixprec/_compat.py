@@ -5,12 +5,13 @@ Supported: torch 2.11 through 2.13 and newer, Python 3.10+.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["capturing", "mark_constant_result"]
+__all__ = ["capturing", "local_tensor", "mark_constant_result"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -29,3 +30,18 @@ def mark_constant_result(fn: F) -> F:
 def capturing() -> bool:
     """Whether the current CUDA stream is recording a graph (False without CUDA)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (sharing its storage); any other tensor as it is.
+
+    In-place ops on the result change the DTensor. Nothing is communicated: the caller agrees
+    across ranks itself (the scaler all-reduces its overflow count once, asynchronously), where
+    DTensor's own dispatch would run a blocking collective per op. No DTensor can exist before
+    ``torch.distributed.tensor`` is imported, so this does not import it (about 1.5 s).
+    """
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is not None and isinstance(tensor, module.DTensor):
+        with torch.no_grad():  # to_local() then returns the local tensor itself, not a view
+            return tensor.to_local()
+    return tensor

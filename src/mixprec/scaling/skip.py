@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from mixprec._compat import local_tensor
+
 __all__ = ["SkipMode", "StepGuard", "choose_mode"]
 
 
@@ -77,14 +79,14 @@ def _tracked(
         for p in group["params"]:
             if p.grad is None:
                 continue
-            tensors.append(p)
+            tensors.append(local_tensor(p))  # FSDP2: snapshot and restore this rank's shard
             state = optimizer.state.get(p)
             if not state:
                 known = stateless.get(id(p))
                 if known is None or known() is not p:
                     complete = False
                 continue
-            tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+            tensors.extend(local_tensor(v) for v in state.values() if isinstance(v, torch.Tensor))
     return tensors, complete
 
 
