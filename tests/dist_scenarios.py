@@ -289,7 +289,7 @@ def ddp_errors(rank: int, world: int) -> dict[str, str]:
     try:
         model = net()
         mixprec.TrainStep(_ddp(model), _opt(model), compute_loss=loss_of, ddp=True)
-    except mixprec.TrainStepError as err:
+    except mixprec.DistributedError as err:
         out["twice"] = str(err)
     model = net()
     model, _ = mixprec.initialize(model, _opt(model), "O2")

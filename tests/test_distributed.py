@@ -256,7 +256,7 @@ def test_fully_shard_arguments_are_checked_before_sharding():
 def test_trainstep_ddp_argument_errors():
     model = S.net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(mixprec.TrainStepError) as err:
+    with pytest.raises(mixprec.DistributedError) as err:
         mixprec.TrainStep(model, opt, compute_loss=S.loss_of, ddp=True)
     assert str(err.value) == (
         "ddp= needs torch.distributed: call torch.distributed.init_process_group() first "

@@ -28,15 +28,65 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from mixprec.distributed.topology import backend_for, fsdp_modules, is_initialized
+from mixprec.distributed import agreement
+from mixprec.distributed.topology import DistributedError, backend_for, fsdp_modules, is_initialized
+from mixprec.errors import PolicyError
 
-__all__ = ["DDP_WARMUP", "MIN_NCCL", "capture_blocker", "wrap"]
+__all__ = [
+    "DDP_WARMUP",
+    "MIN_NCCL",
+    "capture_blocker",
+    "describe_collectives",
+    "requested_kwargs",
+    "wrap",
+]
 
 #: Eager DDP iterations PyTorch requires before a capture.
 DDP_WARMUP = 11
 #: The first NCCL release whose collectives can be captured.
 MIN_NCCL = (2, 9, 6)
 _ERROR_HANDLING_VARS = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")
+
+
+def requested_kwargs(ddp: Any, model: nn.Module) -> dict[str, Any] | None:
+    """DDP's keyword arguments from TrainStep's ``ddp=`` (None: do not wrap); or raise."""
+    if ddp is False or ddp is None:
+        return None
+    if not (ddp is True or isinstance(ddp, dict)):
+        raise PolicyError(
+            f"ddp={ddp!r} must be True, False or a dict of DistributedDataParallel keyword "
+            f"arguments (for example {{'device_ids': [local_rank]}})."
+        )
+    if isinstance(model, DistributedDataParallel):
+        raise DistributedError(
+            "ddp= asks TrainStep to wrap the model in DistributedDataParallel, but the model is "
+            "wrapped already. Pass the unwrapped model (model.module) with ddp=..., or drop ddp=."
+        )
+    if not is_initialized():
+        raise DistributedError(
+            "ddp= needs torch.distributed: call torch.distributed.init_process_group() first "
+            "(torchrun, or `mixprec train --nproc-per-node N`, sets up its environment)."
+        )
+    return {} if ddp is True else dict(ddp)
+
+
+def describe_collectives(model: nn.Module, optimizer: Any, device: torch.device) -> str:
+    """``'; on the gloo process group of 2 ranks: ...'`` for a step's reason ('' alone)."""
+    if not is_initialized():
+        return ""
+    parts = []
+    if isinstance(model, DistributedDataParallel):
+        parts.append("DDP's gradient all-reduce")
+    scaler = optimizer.scaler
+    if scaler is not None and scaler.is_enabled():
+        parts.append(
+            "no overflow all-reduce (DDP reduced every gradient)"
+            if agreement.covers(optimizer.optimizer)
+            else "the scaler's overflow all-reduce"
+        )
+    what = " and ".join(parts) if parts else "collectives"
+    ranks = torch.distributed.get_world_size()
+    return f"; on the {backend_for(device)} process group of {ranks} ranks: {what}"
 
 
 def wrap(model: nn.Module, kwargs: dict[str, Any], stream: Any) -> DistributedDataParallel:

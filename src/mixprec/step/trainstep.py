@@ -25,9 +25,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from mixprec.diagnostics.watch import watcher_of
-from mixprec.distributed import agreement, wrapping
 from mixprec.distributed import ddp as ddp_rules
-from mixprec.distributed.topology import backend_for, is_initialized
+from mixprec.distributed import wrapping
+from mixprec.distributed.topology import is_initialized
 from mixprec.errors import MixprecError, PolicyError, format_options
 from mixprec.levels.initialize import initialize, master_params, scale_loss
 from mixprec.levels.optimizer import AmpOptimizer
@@ -150,7 +150,7 @@ class TrainStep:
                 f"the model is on {device}. Use capture='auto' to fall back to eager steps, or "
                 f"move the model to a CUDA device."
             )
-        ddp_kwargs = _ddp_kwargs(ddp, model)
+        ddp_kwargs = ddp_rules.requested_kwargs(ddp, model)
         if isinstance(optimizer, AmpOptimizer):
             if wrapping.find_hooks(model) is None:
                 raise TrainStepError(
@@ -226,22 +226,7 @@ class TrainStep:
 
     def _collectives(self) -> str:
         """How the step's collectives run, for reasons and explain() (empty when single-process)."""
-        if not is_initialized():
-            return ""
-        backend = backend_for(self._device)
-        parts = []
-        if isinstance(self.model, DistributedDataParallel):
-            parts.append("DDP's gradient all-reduce")
-        scaler = self.optimizer.scaler
-        if scaler is not None and scaler.is_enabled():
-            parts.append(
-                "no overflow all-reduce (DDP reduced every gradient)"
-                if agreement.covers(self.optimizer.optimizer)
-                else "the scaler's overflow all-reduce"
-            )
-        what = " and ".join(parts) if parts else "collectives"
-        ranks = torch.distributed.get_world_size()
-        return f"; on the {backend} process group of {ranks} ranks: {what}"
+        return ddp_rules.describe_collectives(self.model, self.optimizer, self._device)
 
     def _build_loss(self, compile: bool | dict[str, Any]) -> Callable[..., torch.Tensor]:
         opts = self.options
@@ -505,27 +490,6 @@ def _loss_from(
         return loss_fn(model(*batch[:-1]), batch[-1])  # type: ignore[misc]
 
     return default
-
-
-def _ddp_kwargs(ddp: bool | dict[str, Any], model: nn.Module) -> dict[str, Any] | None:
-    if ddp is False or ddp is None:
-        return None
-    if not (ddp is True or isinstance(ddp, dict)):
-        raise PolicyError(
-            f"ddp={ddp!r} must be True, False or a dict of DistributedDataParallel keyword "
-            f"arguments (for example {{'device_ids': [local_rank]}})."
-        )
-    if isinstance(model, DistributedDataParallel):
-        raise TrainStepError(
-            "ddp= asks TrainStep to wrap the model in DistributedDataParallel, but the model is "
-            "wrapped already. Pass the unwrapped model (model.module) with ddp=..., or drop ddp=."
-        )
-    if not is_initialized():
-        raise TrainStepError(
-            "ddp= needs torch.distributed: call torch.distributed.init_process_group() first "
-            "(torchrun, or `mixprec train --nproc-per-node N`, sets up its environment)."
-        )
-    return {} if ddp is True else dict(ddp)
 
 
 def _model_device(model: nn.Module) -> torch.device:
