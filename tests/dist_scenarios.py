@@ -146,20 +146,20 @@ def fsdp_scaler(rank: int, world: int, impl: str, mode: str) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- levels on FSDP2
 
 
-def _fsdp_model(level: str, dynamic: bool) -> tuple[nn.Module, Any]:
+def _fsdp_model(level: str, dynamic: bool, entry: str) -> tuple[nn.Module, Any]:
     from torch.distributed.fsdp import fully_shard
 
     model = net()
-    if level in ("O0", "O1"):  # no weight cast: torch's own fully_shard works as it is
+    if entry == "torch":  # O0/O1 cast no weight: torch's own fully_shard works as it is
         fully_shard(model)
     else:
         mixprec.fully_shard(model, opt_level=level)
     return mixprec.initialize(model, _opt(model), level, **_overrides(dynamic))
 
 
-def fsdp_level(rank: int, world: int, level: str, dynamic: bool) -> dict[str, Any]:
+def fsdp_level(rank: int, world: int, level: str, dynamic: bool, entry: str) -> dict[str, Any]:
     """A level under FSDP2, 4 steps, an inf in the last rank's input at INF_STEP (if scaled)."""
-    model, opt = _fsdp_model(level, dynamic)
+    model, opt = _fsdp_model(level, dynamic, entry)
     seen: dict[str, Any] = {}
 
     def look(name: str, what: Any) -> Any:

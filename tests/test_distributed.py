@@ -77,13 +77,19 @@ def test_scaler_skips_together_on_dtensor_gradients(pools, impl, mode):
 LOW, FP32 = torch.bfloat16, torch.float32
 
 
+FSDP_CASES = [
+    ("O0", True, "torch"), ("O1", True, "torch"), ("O1", True, "mixprec"),
+    ("O2", False, "mixprec"), ("O2", True, "mixprec"), ("O3", False, "mixprec"),
+]  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    "level,dynamic",
-    [("O0", True), ("O1", True), ("O2", False), ("O2", True), ("O3", False)],
-    ids=["O0-scaled", "O1-scaled", "O2", "O2-scaled", "O3"],
+    "level,dynamic,entry",
+    FSDP_CASES,
+    ids=[f"{lv}-{e}{'-scaled' if d else ''}" for lv, d, e in FSDP_CASES],
 )
-def test_levels_under_fsdp2_match_one_process(pools, level, dynamic):
-    r0, r1 = pools(2).run(S.fsdp_level, level, dynamic)
+def test_levels_under_fsdp2_match_one_process(pools, level, dynamic, entry):
+    r0, r1 = pools(2).run(S.fsdp_level, level, dynamic, entry)
     assert _equal(r0["params"], r0["ref"]) and _equal(r1["params"], r0["ref"])
     skipped = [2.0**16, 2.0**16, 2.0**15, 2.0**15]
     assert r0["scales"] == r1["scales"] == (skipped if dynamic else [1.0] * 4)

@@ -27,8 +27,7 @@ Bit-for-bit continuation: loading restores every value the step reads (weights, 
 optimizer state, scale and trackers), so a run resumed with the same data order and world size
 continues exactly as the uninterrupted run. Across world sizes the gradient reduction sums the
 ranks' contributions in another grouping; see docs/distributed.md for where that is still exact.
-Not saved: RNG states, data-loader position, LR schedulers (save them beside, in the same DCP
-call if you use DCP directly with `state_dict`).
+Not saved: RNG states, data-loader position, LR schedulers: save them beside the checkpoint.
 """
 
 from __future__ import annotations
