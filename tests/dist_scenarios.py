@@ -249,6 +249,10 @@ def ddp_level(rank: int, world: int, level: str, dynamic: bool, order: str) -> d
         model = _ddp(model)
     elif order == "ddp-then-initialize":
         model, opt = mixprec.initialize(_ddp(model), opt, level, **_overrides(dynamic))
+    elif order == "trainstep-given-ddp":  # initialize, DDP, then TrainStep sees the wrapper
+        model, opt = mixprec.initialize(model, opt, level, **_overrides(dynamic))
+        step_fn = mixprec.TrainStep(_ddp(model), opt, compute_loss=loss_of)
+        model = step_fn.model
     else:  # TrainStep wraps: initialize, then DDP
         step_fn = mixprec.TrainStep(model, opt, compute_loss=loss_of, opt_level=level, ddp=True,
                                     **_overrides(dynamic))  # fmt: skip

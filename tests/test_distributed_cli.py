@@ -50,6 +50,7 @@ def test_bench_runs_data_parallel_with_one_flag(tmp_path):
     out = _run("bench", "mlp", "--nproc-per-node", "2", "--variants", "fp32,O2,trainstep",
                "--steps", "2", "--warmup", "1", "--no-progress", "--json", str(js))  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("| 2 ranks under DDP (this rank's timings)") == 1  # rank 0 only
     rows = json.loads(js.read_text())
     assert [(r["variant"], r["status"], r["world_size"]) for r in rows] == [
         ("fp32", "ok", 2), ("O2", "ok", 2), ("trainstep", "skipped", 2),
