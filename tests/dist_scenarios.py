@@ -474,3 +474,51 @@ def ckpt_accumulate(rank: int, world: int, path: str, mode: str, width: int,
         mixprec.load_checkpoint(path, model, opt)
     train_steps(model, opt, range(3, 6), width, list(range(width)), reduce)
     return {"params": [full(m) for m in mixprec.master_params(opt)], "scale": opt.loss_scale}
+
+
+def fsdp_trainstep(rank: int, world: int) -> dict[str, Any]:
+    """TrainStep on a model mixprec.fully_shard prepared (O2, scaled): eager, same numbers."""
+    model = net()
+    mixprec.fully_shard(model, opt_level="O2")
+    step_fn = mixprec.TrainStep(model, _opt(model), compute_loss=loss_of, opt_level="O2",
+                                loss_scale="dynamic")  # fmt: skip
+    with counting_all_reduce() as counted:
+        for step in range(4):
+            x, y = batch(step, world)
+            step_fn(poison(part(x, rank), step, rank, world - 1), part(y, rank))
+    return {"params": params_of(model), "reason": step_fn.reason, "calls": len(counted),
+            "ref": reference("O2", True, world, world - 1, reduce="fp32")}  # fmt: skip
+
+
+def capture_rules(rank: int, world: int) -> dict[str, str | None]:
+    """PyTorch's DDP capture rules as TrainStep checks them, NCCL simulated on this CPU group."""
+    from torch.distributed.fsdp import fully_shard
+
+    from mixprec.distributed import ddp as rules
+
+    cuda = torch.device("cuda", 0)
+    out: dict[str, str | None] = {"gloo": rules.capture_blocker(_ddp(net()), cuda, True)}
+    sharded = net()
+    fully_shard(sharded)
+    out["fsdp"] = rules.capture_blocker(sharded, cuda, False)
+    env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+    cases = {
+        "old_nccl": ((2, 9, 5), env, _ddp(net()), True),
+        "error_handling": ((2, 21, 5), {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}, net(), False),
+        "old_variable": ((2, 21, 5), {"NCCL_ASYNC_ERROR_HANDLING": "0"}, net(), False),
+        "ddp_elsewhere": ((2, 21, 5), env, _ddp(net()), False),
+        "unused": ((2, 21, 5), env, torch.nn.parallel.DistributedDataParallel(
+            net(), find_unused_parameters=True), True),
+        "ok": ((2, 21, 5), env, _ddp(net()), True),
+    }  # fmt: skip
+    for name, (version, variables, model, built_here) in cases.items():
+        with (
+            mock.patch.object(rules, "backend_for", lambda device: "nccl"),
+            mock.patch.object(torch.cuda.nccl, "version", lambda v=version: v),
+            mock.patch.dict(os.environ, variables, clear=False),
+        ):
+            for var in rules._ERROR_HANDLING_VARS:
+                if var not in variables:
+                    os.environ.pop(var, None)
+            out[name] = rules.capture_blocker(model, cuda, built_here)
+    return out

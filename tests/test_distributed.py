@@ -107,6 +107,17 @@ def test_levels_under_fsdp2_match_one_process(pools, level, dynamic, entry):
         assert seen["norm"][0] == (LOW if level == "O1" else FP32)
 
 
+def test_trainstep_on_a_sharded_model_runs_eagerly_with_the_same_numbers(pools):
+    r0, r1 = pools(2).run(S.fsdp_trainstep)
+    assert _equal(r0["params"], r0["ref"]) and _equal(r1["params"], r0["ref"])
+    assert r0["calls"] == 4  # FSDP2 does not all-reduce gradients: the scaler agrees itself
+    assert r0["reason"] == (
+        "running eagerly: CUDA graphs need a CUDA device and the model is on cpu (the same "
+        "operations run one at a time; on the gloo process group of 2 ranks: the scaler's "
+        "overflow all-reduce)"
+    )
+
+
 # ----------------------------------------------------------------------------- levels, DDP
 
 DDP_CASES = [
@@ -150,6 +161,37 @@ def test_levels_under_ddp_match_one_process(pools, level, dynamic, order):
         )
         assert ("no overflow all-reduce (DDP reduced every gradient)" in r0["reason"]) == dynamic
         assert "  distributed: on the gloo process group of 2 ranks" in r0["explain"]
+
+
+def test_trainstep_follows_pytorchs_ddp_capture_rules(pools):
+    r0, _ = pools(2).run(S.capture_rules)
+    assert r0["ok"] is None and r0["old_variable"] is None  # the pre-2.2 variable name counts
+    assert r0["gloo"] == (
+        "the process group's gloo backend cannot be captured in a CUDA graph (only NCCL can, "
+        "from 2.9.6 on); the step's collectives run eagerly"
+    )
+    assert r0["fsdp"] == (
+        "the model is sharded with FSDP2, whose hooks decide per call in Python which "
+        "parameters to all-gather and free; a replayed graph would skip them"
+    )
+    assert r0["old_nccl"] == (
+        "NCCL 2.9.5 cannot capture collectives (PyTorch requires NCCL >= 2.9.6)"
+    )
+    assert r0["error_handling"] == (
+        "NCCL's asynchronous error handling is on; PyTorch's rules for capturing DDP ask for "
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING=0 in the environment before init_process_group (its "
+        "watchdog queries events a capturing stream forbids)"
+    )
+    assert r0["ddp_elsewhere"] == (
+        "the model was wrapped in DistributedDataParallel outside TrainStep, and PyTorch's "
+        "rules need DDP constructed on the stream the graph is captured on: pass the unwrapped "
+        "model with ddp=True (or ddp={...DDP keyword arguments}), and TrainStep wraps it on its "
+        "capture stream"
+    )
+    assert r0["unused"] == (
+        "DDP runs with find_unused_parameters=True, which searches the autograd graph on the "
+        "host and reads a bitmap back every step; a replay would do neither"
+    )
 
 
 def test_wrong_orders_of_wrapping_name_the_fix(pools):
