@@ -52,7 +52,7 @@ def _fake_limitation(err: BaseException) -> bool:
     return (
         isinstance(err, NotImplementedError)
         or type(err).__name__ == "DataDependentOutputException"
-        or any(s in text for s in ("CUDA", "cuda devices", "Meta tensors"))
+        or any(s in text for s in ("CUDA", "cuda devices", "Meta tensors", "NVIDIA driver"))
     )
 
 

@@ -41,8 +41,10 @@ def test_tables_name_real_ops():
     known = set(mixprec.policy.known_op_names()) | {
         n.split("::")[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names()
     }
+    from mixprec.policy.tables import VERSIONED
+
     for table in TABLES.values():
-        unknown = set(table.ops) - known
+        unknown = set(table.ops) - known - set(VERSIONED)
         assert not unknown, f"{table.name}: {unknown}"
     assert set(COMPOSITES) - known == set()
 

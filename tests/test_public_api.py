@@ -8,10 +8,10 @@ import sys
 import mixprec
 
 EXPECTED = [
-    "AmpOptimizer", "AutocastError", "BannedOpError", "Decision", "DistributedError",
-    "GradScaler", "MixprecError",
-    "OpCategory", "OptLevel", "Policy", "PolicyError", "ScaleConfig", "ScalerStateError",
-    "TrainStep", "TrainStepError",
+    "AmpBackend", "AmpOptimizer", "AutocastError", "BannedOpError", "CastReport", "Decision",
+    "DistributedError", "GradScaler", "MixprecError", "compile",
+    "OpCategory", "OptLevel", "Policy", "PolicyError", "ScaleConfig", "ScalerCheckpointError",
+    "ScalerConfigError", "ScalerStateError", "SkipAwareLR", "TrainStep", "TrainStepError",
     "ExplainReport", "NonFiniteEvent", "ScaleHistory", "UnderflowReport", "explain",
     "grad_underflow", "scale_history", "watch_nonfinite",
     "__version__", "autocast", "checkpoint_context", "custom_bwd", "custom_fwd", "default_dtype",

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mixprec import PolicyError, ScaleConfig, update_scale
+from mixprec import PolicyError, ScaleConfig, ScalerConfigError, update_scale
 from mixprec.scaling import init_state
 from mixprec.scaling.state import HISTORY
 
@@ -155,17 +155,47 @@ def test_update_is_pure():
 
 
 @pytest.mark.parametrize(
-    "kwargs,match",
+    "kwargs,text",
     [
-        ({"growth_factor": 1.0}, "growth_factor=1.0 is invalid"),
-        ({"backoff_factor": 1.5}, "backoff_factor"),
-        ({"growth_interval": 0}, "growth_interval"),
-        ({"hysteresis": 0}, "hysteresis"),
-        ({"min_scale": -1.0}, "min_scale"),
-        ({"max_scale": math.inf}, "max_scale"),
-        ({"min_scale": 10.0, "max_scale": 1.0}, "above max_scale"),
+        ({"growth_factor": 1.0},
+         "GradScaler growth_factor=1.0 is invalid: it must be a number > 1.0 (2.0 doubles the "
+         "scale)."),
+        ({"backoff_factor": 1.5},
+         "GradScaler backoff_factor=1.5 is invalid: it must be a number in (0, 1) (0.5 halves "
+         "the scale)."),
+        ({"growth_interval": 0},
+         "GradScaler growth_interval=0 is invalid: it must be an int >= 1."),
+        ({"growth_interval": 2000.0},
+         "GradScaler growth_interval=2000.0 is invalid: it must be an int >= 1."),
+        ({"growth_interval": True},
+         "GradScaler growth_interval=True is invalid: it must be an int >= 1."),
+        ({"hysteresis": 0},
+         "GradScaler hysteresis=0 is invalid: it must be an int >= 1 (1 backs off on every "
+         "overflow, like torch)."),
+        ({"consecutive_hysteresis": "yes"},
+         "GradScaler consecutive_hysteresis='yes' is invalid: it must be True or False."),
+        ({"dynamic": "False"}, "GradScaler dynamic='False' is invalid: it must be True or False."),
+        ({"growth_factor": "2"},
+         "GradScaler growth_factor='2' is invalid: it must be a number > 1.0 (2.0 doubles the "
+         "scale)."),
+        ({"min_scale": -1.0},
+         "GradScaler min_scale=-1.0 is invalid: it must be None or a finite number > 0."),
+        ({"max_scale": math.inf},
+         "GradScaler max_scale=inf is invalid: it must be None or a finite number > 0."),
+        ({"min_scale": 10.0, "max_scale": 1.0},
+         "GradScaler min_scale=10.0 is above max_scale=1.0; the floor must not exceed the "
+         "ceiling."),
     ],
-)
-def test_config_errors_name_the_field(kwargs, match):
-    with pytest.raises(PolicyError, match=match):
+)  # fmt: skip
+def test_config_errors_name_the_field(kwargs, text):
+    with pytest.raises(ScalerConfigError) as err:
         ScaleConfig(**kwargs)
+    assert str(err.value) == text
+    assert isinstance(err.value, ValueError) and not isinstance(err.value, PolicyError)
+
+
+def test_config_stores_numbers_as_floats():
+    assert ScaleConfig(growth_factor=2, min_scale=1) == ScaleConfig(
+        growth_factor=2.0, min_scale=1.0
+    )
+    assert isinstance(ScaleConfig(max_scale=1024).max_scale, float)

@@ -30,6 +30,7 @@ from mixprec.eager import (
     promote_function,
 )
 from mixprec.errors import AutocastError, BannedOpError, MixprecError, PolicyError
+from mixprec.graph import AmpBackend, CastReport, compile
 from mixprec.levels import (
     AmpOptimizer,
     OptLevel,
@@ -39,13 +40,23 @@ from mixprec.levels import (
     scale_loss,
 )
 from mixprec.policy import Decision, OpCategory, Policy
-from mixprec.scaling import GradScaler, ScaleConfig, ScalerStateError, update_scale
+from mixprec.scaling import (
+    GradScaler,
+    ScaleConfig,
+    ScalerCheckpointError,
+    ScalerConfigError,
+    ScalerStateError,
+    SkipAwareLR,
+    update_scale,
+)
 from mixprec.step import TrainStep, TrainStepError
 
 __all__ = [
+    "AmpBackend",
     "AmpOptimizer",
     "AutocastError",
     "BannedOpError",
+    "CastReport",
     "Decision",
     "DistributedError",
     "ExplainReport",
@@ -58,13 +69,17 @@ __all__ = [
     "PolicyError",
     "ScaleConfig",
     "ScaleHistory",
+    "ScalerCheckpointError",
+    "ScalerConfigError",
     "ScalerStateError",
+    "SkipAwareLR",
     "TrainStep",
     "TrainStepError",
     "UnderflowReport",
     "__version__",
     "autocast",
     "checkpoint_context",
+    "compile",
     "custom_bwd",
     "custom_fwd",
     "default_dtype",

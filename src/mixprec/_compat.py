@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["capturing", "local_tensor", "mark_constant_result"]
+__all__ = ["capturing", "dynamo_tracing", "local_tensor", "mark_constant_result"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -30,6 +30,13 @@ def mark_constant_result(fn: F) -> F:
 def capturing() -> bool:
     """Whether the current CUDA stream is recording a graph (False without CUDA)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+#: True only while dynamo traces Python (not while a backend or AOTAutograd runs real Python,
+#: where ``torch.compiler.is_compiling()`` is also true). mixprec's graph path re-runs a
+#: captured graph through the eager engine inside a backend, where the engine must behave
+#: exactly as in eager.
+dynamo_tracing = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:

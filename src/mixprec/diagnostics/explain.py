@@ -17,7 +17,7 @@ import json
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.overrides import _pop_mode, _push_mode
@@ -39,6 +39,9 @@ from mixprec.errors import MixprecError
 from mixprec.policy.categories import OpCategory
 from mixprec.policy.entrypoints import op_name
 from mixprec.policy.policy import Policy
+
+if TYPE_CHECKING:
+    from mixprec.graph.explain import CompiledReport
 
 __all__ = ["ExplainReport", "explain"]
 
@@ -448,8 +451,11 @@ def explain(
     policy: Policy | str | None = None,
     backward: bool = False,
     **forward_kwargs: Any,
-) -> ExplainReport:
+) -> ExplainReport | CompiledReport:
     """Run ``model(*example_inputs)`` once under ``mixprec.autocast`` and report every call.
+
+    For a model or function compiled with `mixprec.compile`, run it once and report the aten
+    ops of each captured graph instead (a `mixprec.graph.explain.CompiledReport`).
 
     Args:
         model: the module to explain (its hooks are removed again afterwards).
@@ -470,6 +476,11 @@ def explain(
     the memory of keeping each output alive until the report is built (to attribute casts to
     the calls that produced their inputs). Values are computed exactly as under autocast.
     """
+    compiled_by = getattr(model, "mixprec_backend", None)
+    if compiled_by is not None:  # compiled with mixprec.compile: report its graphs' aten ops
+        from mixprec.graph.explain import explain_compiled
+
+        return explain_compiled(model, example_inputs, forward_kwargs, compiled_by)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"explain needs a torch.nn.Module, got {type(model).__name__}.")
     if find_mode() is not None:

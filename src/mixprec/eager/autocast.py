@@ -133,10 +133,12 @@ class autocast:
         # (torch.is_autocast_enabled, torch.amp.custom_fwd, torch.utils.checkpoint) and nested
         # torch.autocast regions change it; the mode reads it back before every rule.
         saved = (_enabled(dev), _dtype(dev), torch.is_autocast_cache_enabled())
+        # Nesting first on entry and last on exit: a captured graph replayed inside another
+        # region (mixprec.graph) treats the pair as brackets around the state changes.
+        torch.autocast_increment_nesting()
         torch.set_autocast_enabled(dev, self.enabled)
         if self.enabled or self._dtype_given:
             torch.set_autocast_dtype(dev, self.dtype)
-        torch.autocast_increment_nesting()
         if self.cache_enabled is not None:
             torch.set_autocast_cache_enabled(self.cache_enabled)
 
@@ -159,11 +161,11 @@ class autocast:
     def __exit__(self, *exc_info: object) -> None:
         mode, prev_regions, pushed, saved = self._frames.pop()
         dev = self.device_type
-        if torch.autocast_decrement_nesting() == 0:
-            torch.clear_autocast_cache()
         torch.set_autocast_enabled(dev, saved[0])
         torch.set_autocast_dtype(dev, saved[1])
         torch.set_autocast_cache_enabled(saved[2])
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()
         if mode is None:
             return
         mode.set_state(prev_regions)

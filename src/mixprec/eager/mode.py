@@ -113,7 +113,8 @@ class AutocastMode(TorchFunctionMode):
         rule = self.memo.get(func, _MISS)
         if rule is None:
             return func(*args, **kwargs) if kwargs else func(*args)
-        if rule is _MISS or not self.in_force():
+        one = self._one  # the common case, inlined: one device type, torch's state unchanged
+        if rule is _MISS or one is None or not _enabled(one[0]) or _dtype(one[0]) is not one[1]:
             rule = self.lookup(func)
             if rule is None:
                 return func(*args, **kwargs) if kwargs else func(*args)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.overrides import _pop_mode, _push_mode
 
+from mixprec._compat import dynamo_tracing
 from mixprec.eager import composites
 from mixprec.errors import BannedOpError
 from mixprec.policy.categories import OpCategory
@@ -37,7 +38,6 @@ __all__ = [
 
 Tensor = torch.Tensor
 _FP32 = torch.float32
-_is_compiling = torch.compiler.is_compiling
 _grad_enabled = torch.is_grad_enabled
 _cache_enabled = torch.is_autocast_cache_enabled
 _set_enabled = torch.set_autocast_enabled
@@ -83,8 +83,8 @@ def _weight_cache(mode: Any) -> dict | None:
 
     The switch is torch's autocast cache flag, which a region's ``cache_enabled`` sets (and a
     nested ``torch.autocast(cache_enabled=False)`` clears)."""
-    if _is_compiling() or not _cache_enabled():
-        return None
+    if dynamo_tracing() or not _cache_enabled():
+        return None  # dynamo: no tensor may outlive the trace (the graph path runs eagerly)
     return mode.cache
 
 
@@ -370,13 +370,22 @@ class Guarded:
 class ReentryRule:
     """Run a Python-level torch function's body under the mode, so its inner ops get the policy."""
 
-    __slots__ = ("copy",)
+    __slots__ = ("copy", "opaque_to_dynamo", "outer")
 
-    def __init__(self, func: types.FunctionType) -> None:
+    def __init__(self, func: types.FunctionType, outer: Any = None) -> None:
         self.copy = composites.reentrant_copy(func)
+        # Dynamo does not trace the bodies of torch/functional.py's wrappers (torch.norm,
+        # chain_matmul, tensordot: they call builtins it cannot follow) and records the original
+        # as one call instead; `outer` is the rule of the op the wrapper is named after, if any.
+        self.opaque_to_dynamo = func.__module__ == "torch.functional"
+        self.outer = outer
 
     def __call__(self, mode: Any, func: Callable[..., Any], args: tuple, kwargs: dict | None):
-        if torch.compiler.is_compiling():
+        if dynamo_tracing():
+            if self.opaque_to_dynamo:
+                if self.outer is not None:
+                    return self.outer(mode, func, args, kwargs)
+                return func(*args, **kwargs) if kwargs else func(*args)
             # No bookkeeping in a trace: the bounce guard only matters for eager recursion.
             _push_mode(mode)
             try:

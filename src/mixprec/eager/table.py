@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from mixprec._compat import mark_constant_result
+from mixprec._compat import dynamo_tracing, mark_constant_result
 from mixprec.eager import composites
 from mixprec.eager.rules import (
     ArgumentSwitch,
@@ -140,9 +140,13 @@ class DispatchTable:
 
     def classify(self, func: Any) -> Any:
         """Find (and memoise) the rule for a function not entered up front; None = pass."""
-        if torch.compiler.is_compiling():
+        if dynamo_tracing():
             return None  # never run classification in a trace (tables pre-enter what it meets)
         rule = self._classify(func)
+        if torch.compiler.is_compiling():
+            # A backend re-running a captured graph (mixprec.graph): dynamo has guarded on this
+            # memo while tracing the same frame, so it must not change until the frame is done.
+            return rule
         with contextlib.suppress(TypeError):  # an unhashable callable: classified every call
             self.memo[func] = rule
         return rule
@@ -173,7 +177,17 @@ class DispatchTable:
             and composites.is_python_function(func)
             and composites.needs_reentry(func, self._reentry_names)
         ):
-            return ReentryRule(func)
+            # Dynamo cannot look inside some wrappers (torch.norm, torch.tensordot: their bodies
+            # call builtins it does not trace); there the call gets the rule of the op it wraps.
+            outer = {}
+            for rp in self.resolved:
+                cat = rp.ops.get(func.__name__)
+                if cat is not None and cat is not OpCategory.PASSTHROUGH:
+                    ref = _torch_reference(rp.device_type, rp.dtype)
+                    outer[rp.device_type] = self._rule(
+                        rp, cat, guard=_differs(rp, ref, func.__name__)
+                    )
+            return ReentryRule(func, self._combine(outer) if outer else None)
         return None
 
 

@@ -86,6 +86,13 @@ def initialize(
         wrapping.model_kind(model, options, overrides, optimizers is not None)
         for model in model_list
     ]
+    # Everything that can be refused is checked before any model is changed, so a refused
+    # argument leaves the models as they were (the scaler validates its own settings).
+    opt_list = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+    if optimizers is not None:
+        for opt in opt_list:
+            _check_optimizer_arg(opt)
+    scaler = _make_scaler(options) if optimizers is not None else None
     masters: dict[int, torch.Tensor] = {}
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (low-precision weight, its master)
     for model, kind in zip(model_list, kinds, strict=True):
@@ -95,12 +102,9 @@ def initialize(
 
     if optimizers is None:
         return models if isinstance(models, (list, tuple)) else model_list[0]
-    opt_list = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
-    scaling = LossScaling(_make_scaler(options))
+    scaling = LossScaling(scaler)
     wrapped = []
     for opt in opt_list:
-        if isinstance(opt, AmpOptimizer):
-            raise MixprecError("this optimizer was already returned by mixprec.initialize.")
         inner = _inner_optimizer(opt, masters, model_list)
         mine = {id(p) for g in inner.param_groups for p in g["params"]}
         own = [(low, m) for low, m in pairs if id(m) in mine]
@@ -169,9 +173,21 @@ def _inner_optimizer(
                 f"torch.optim.Optimizer."
             )
         return inner
+    raise AssertionError("unreachable: _check_optimizer_arg accepted it")  # pragma: no cover
+
+
+def _check_optimizer_arg(opt: Any) -> None:
+    if isinstance(opt, AmpOptimizer):
+        raise MixprecError("this optimizer was already returned by mixprec.initialize.")
+    if isinstance(opt, torch.optim.Optimizer) or (callable(opt) and not isinstance(opt, nn.Module)):
+        return
+    hint = ""
+    if isinstance(opt, (Iterator, nn.Module)):
+        hint = (" (parameters or a model, not an optimizer: build one, e.g. "
+                "torch.optim.AdamW(model.parameters(), lr=1e-3))")  # fmt: skip
     raise PolicyError(
         f"optimizers must be torch.optim.Optimizer instances, factories or None; got "
-        f"{type(opt).__name__}."
+        f"{type(opt).__name__}{hint}."
     )
 
 

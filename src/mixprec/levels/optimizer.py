@@ -30,6 +30,7 @@ import torch
 
 from mixprec.errors import MixprecError
 from mixprec.levels.presets import AmpOptions
+from mixprec.scaling import checkpoint
 from mixprec.scaling.scaler import GradScaler, ScalerStateError
 
 __all__ = ["AmpOptimizer", "LossScaling", "build_inner"]
@@ -39,6 +40,22 @@ FORMAT = "mixprec.AmpOptimizer/1"
 
 class AmpCheckpointError(MixprecError, ValueError):
     """An AmpOptimizer state dict that does not fit this optimizer (nothing was changed)."""
+
+
+def _not_ours(state_dict: Any) -> str:
+    """Why `state_dict` is not an AmpOptimizer's, and where it belongs."""
+    if not isinstance(state_dict, dict):
+        return f"AmpOptimizer.load_state_dict expects a dict, got {type(state_dict).__name__}."
+    fmt = state_dict.get("format")
+    head = f"not an AmpOptimizer state dict (format {fmt!r}, expected {FORMAT!r})"
+    if fmt == checkpoint.FORMAT or (fmt is None and "_growth_tracker" in state_dict):
+        return f"{head}: it is a GradScaler's; load it with optimizer.scaler.load_state_dict(...)."
+    if fmt == "mixprec.TrainStep/1":
+        return f"{head}: it is a TrainStep's; load it with step.load_state_dict(...)."
+    if "state" in state_dict and "param_groups" in state_dict:
+        return (f"{head}: it is a plain optimizer's; load it with "
+                f"optimizer.optimizer.load_state_dict(...).")  # fmt: skip
+    return f"{head}; save it with AmpOptimizer.state_dict()."
 
 
 class LossScaling:
@@ -209,12 +226,7 @@ class AmpOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load what ``state_dict`` wrote; everything is checked before anything changes."""
         if not isinstance(state_dict, dict) or state_dict.get("format") != FORMAT:
-            raise AmpCheckpointError(
-                f"not an AmpOptimizer state dict (format {state_dict.get('format')!r} expected "
-                f"{FORMAT!r}); to load a plain optimizer's state use optimizer.optimizer."
-                f"load_state_dict(...)." if isinstance(state_dict, dict) else
-                f"AmpOptimizer.load_state_dict expects a dict, got {type(state_dict).__name__}."
-            )  # fmt: skip
+            raise AmpCheckpointError(_not_ours(state_dict))
         if state_dict.get("opt_level") != self.options.level.value:
             raise AmpCheckpointError(
                 f"the state dict was saved at opt level {state_dict.get('opt_level')!r}, this "
@@ -239,8 +251,14 @@ class AmpOptimizer(torch.optim.Optimizer):
                 "the state dict's loss-scaling setting differs from this optimizer's; "
                 "initialize with the same loss_scale."
             )
-        if self.scaler is not None:
-            GradScaler(self.scaler._device, enabled=True).load_state_dict(scaler_sd)  # dry run
+        if self.scaler is not None and self.scaler.is_enabled():
+            try:  # against this scaler (its num_losses), without loading yet
+                checkpoint.validate(self.scaler, scaler_sd, in_iteration_ok=True)
+            except checkpoint.ScalerCheckpointError as err:
+                raise AmpCheckpointError(f"state_dict['scaler'] is refused: {err}") from err
+        # Everything checked. A step whose scale update is still deferred belongs to the old
+        # run: finish it, so the scaler is between iterations when its state is replaced.
+        self._scaling.flush()
         snapshot = self.optimizer.state_dict()
         try:
             self.optimizer.load_state_dict(state_dict["optimizer"])

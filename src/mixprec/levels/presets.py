@@ -9,7 +9,9 @@ was meant.
 
 from __future__ import annotations
 
+import difflib
 import enum
+import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -270,14 +272,23 @@ def _check(level, low, model_type, patch, keep_bn, master, loss_scale, min_ls, m
             and loss_scale > 0
         )
     ):
+        typo = isinstance(loss_scale, str) and difflib.get_close_matches(loss_scale, ["dynamic"])
         raise PolicyError(
             f"loss_scale={loss_scale!r} is invalid: use 'dynamic' or a positive number "
-            f"(1.0 turns loss scaling off)."
+            f"(1.0 turns loss scaling off)." + (" Did you mean 'dynamic'?" if typo else "")
         )  # fmt: skip
     for name, value in (("min_loss_scale", min_ls), ("max_loss_scale", max_ls)):
-        if value is not None and not (isinstance(value, (int, float)) and value > 0):
-            raise PolicyError(f"{name}={value!r} is invalid: use None or a number > 0.")
-    if not (isinstance(num_losses, int) and num_losses >= 1):
+        if value is not None and not (
+            isinstance(value, (int, float)) and not isinstance(value, bool)
+            and 0 < value < math.inf
+        ):  # fmt: skip
+            raise PolicyError(f"{name}={value!r} is invalid: use None or a finite number > 0.")
+    if min_ls is not None and max_ls is not None and min_ls > max_ls:
+        raise PolicyError(
+            f"min_loss_scale={min_ls!r} is above max_loss_scale={max_ls!r}: the floor must not "
+            f"exceed the ceiling."
+        )
+    if not (isinstance(num_losses, int) and not isinstance(num_losses, bool) and num_losses >= 1):
         raise PolicyError(f"num_losses={num_losses!r} is invalid: use an int >= 1.")
     if not isinstance(policy, Policy):
         raise PolicyError("policy must be a mixprec.Policy or its string form.")

@@ -21,7 +21,7 @@ from types import MappingProxyType
 
 from mixprec.policy.categories import OpCategory
 
-__all__ = ["TABLES", "OpTable"]
+__all__ = ["TABLES", "VERSIONED", "OpTable"]
 
 L, F32, OUT, PRO, BAN = (
     OpCategory.LOWER,
@@ -94,7 +94,7 @@ _GPU_FP32 = (
     "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss",
     "margin_ranking_loss", "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss",
     "multi_margin_loss", "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm",
-    "logsumexp", "upsample_nearest1d", "_upsample_nearest_exact1d", "upsample_nearest2d",
+    "logsumexp", "linalg_matrix_sqrth", "upsample_nearest1d", "_upsample_nearest_exact1d", "upsample_nearest2d",
     "_upsample_nearest_exact2d", "upsample_nearest3d", "_upsample_nearest_exact3d",
     "upsample_linear1d", "upsample_bilinear2d", "_upsample_bilinear2d_aa",
     "upsample_trilinear3d", "upsample_bicubic2d", "_upsample_bicubic2d_aa",
@@ -165,7 +165,7 @@ _CPU = _table(
             "triangular_solve", "fractional_max_pool2d", "fractional_max_pool3d",
             "adaptive_max_pool3d", "multilabel_margin_loss_forward", "linalg_qr",
             "linalg_cholesky_ex", "linalg_svd", "linalg_eig", "linalg_eigh", "linalg_lstsq",
-            "linalg_inv_ex",
+            "linalg_inv_ex", "linalg_matrix_sqrth",
         ),
         PRO: ("stack", "cat", "index_copy"),
     },
@@ -204,6 +204,14 @@ _MPS = _table(
         ),
     },
 )  # fmt: skip
+
+#: Entries that only some supported torch releases have: the tables serve torch 2.11 through
+#: 2.14+, so an op a release added or removed is listed, and matches nothing where it is absent.
+VERSIONED: Mapping[str, str] = MappingProxyType({
+    "linalg_matrix_sqrth": "added to torch's CUDA and CPU fp32 lists in torch 2.14",
+    "cholesky": "deprecated op, removed in torch 2.14 (torch.linalg.cholesky remains)",
+    "qr": "deprecated op, removed in torch 2.14 (torch.linalg.qr remains)",
+})  # fmt: skip
 
 #: Base tables by name. ``Policy(table=None)`` uses the table named after the region's device.
 TABLES: Mapping[str, OpTable] = MappingProxyType({t.name: t for t in (_CUDA, _CPU, _XPU, _MPS)})

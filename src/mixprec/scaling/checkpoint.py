@@ -18,7 +18,16 @@ from mixprec.scaling.state import HISTORY, ScaleConfig
 if TYPE_CHECKING:
     from mixprec.scaling.scaler import GradScaler
 
-__all__ = ["FORMAT", "ScalerCheckpointError", "describe", "load_state_dict", "state_dict"]
+__all__ = [
+    "FORMAT",
+    "ScalerCheckpointError",
+    "describe",
+    "load_state_dict",
+    "loss_fields",
+    "pending_entries",
+    "state_dict",
+    "validate",
+]
 
 FORMAT = "mixprec.GradScaler/1"
 
@@ -39,16 +48,13 @@ class ScalerCheckpointError(MixprecError, ValueError):
     """A state dict the scaler refuses to load (the scaler is left unchanged)."""
 
 
-def loss_fields(scaler: GradScaler) -> list[dict[str, Any]]:
-    """Per loss: the Python values of its state (reads the device: a sync)."""
+def pending_entries(scaler: GradScaler) -> list[dict[str, Any]] | None:
+    """Per loss, its fields as `_loss_entry` returns them (floats; NaN for unwritten history).
+
+    None for a scaler that never ran and loaded nothing. Reads the device (a sync).
+    """
     if scaler._losses is None:
-        if scaler._pending_load is not None:
-            return [
-                {**f, "history": [None if math.isnan(v) else v for v in f["history"]]}
-                if "history" in f else dict(f)
-                for f in scaler._pending_load
-            ]  # fmt: skip
-        return [{"scale": scaler._init_scale} for _ in range(scaler._num_losses)]
+        return None if scaler._pending_load is None else [dict(f) for f in scaler._pending_load]
     out = []
     for loss in scaler._losses:
         st = loss.state
@@ -59,8 +65,32 @@ def loss_fields(scaler: GradScaler) -> list[dict[str, Any]]:
             "steps": int(st.steps.item()),
             "skipped": int(st.skipped.item()),
             "last_skip": int(st.last_skip.item()),
-            # Unwritten slots are None (JSON has no NaN).
-            "history": [None if math.isnan(v) else float(v) for v in st.history.tolist()],
+            "history": [float(v) for v in st.history.tolist()],
+        })  # fmt: skip
+    return out
+
+
+def loss_fields(scaler: GradScaler) -> list[dict[str, Any]]:
+    """Per loss: every field as a plain Python value, history included (reads the device).
+
+    Unwritten history slots are None (JSON has no NaN); a scaler that has not run yet reports
+    its initial values, so its state dict has the same shape as any other.
+    """
+    cfg = scaler._config
+    entries = pending_entries(scaler) or [
+        {"scale": scaler._init_scale} for _ in range(scaler._num_losses)
+    ]
+    out = []
+    for entry in entries:
+        history = entry.get("history") or [math.nan] * HISTORY
+        out.append({
+            "scale": float(entry["scale"]),
+            "growth_tracker": int(entry.get("growth_tracker", 0)),
+            "hysteresis_tracker": int(entry.get("hysteresis_tracker", cfg.hysteresis)),
+            "steps": int(entry.get("steps", 0)),
+            "skipped": int(entry.get("skipped", 0)),
+            "last_skip": int(entry.get("last_skip", -1)),
+            "history": [None if math.isnan(v) else float(v) for v in history],
         })  # fmt: skip
     return out
 
@@ -84,18 +114,18 @@ def state_dict(scaler: GradScaler) -> dict[str, Any]:
         "growth_factor": cfg.growth_factor,
         "backoff_factor": cfg.backoff_factor,
         "growth_interval": cfg.growth_interval,
-        "_growth_tracker": int(first.get("growth_tracker", 0)),
+        "_growth_tracker": first["growth_tracker"],
         "format": FORMAT,
         "hysteresis": cfg.hysteresis,
         "consecutive_hysteresis": cfg.consecutive_hysteresis,
         "min_scale": cfg.min_scale,
         "max_scale": cfg.max_scale,
         "dynamic": cfg.dynamic,
-        "_hysteresis_tracker": int(first.get("hysteresis_tracker", cfg.hysteresis)),
-        "steps": int(first.get("steps", 0)),
-        "skipped": int(first.get("skipped", 0)),
-        "last_skip": int(first.get("last_skip", -1)),
-        "history": list(first.get("history", [])),
+        "_hysteresis_tracker": first["hysteresis_tracker"],
+        "steps": first["steps"],
+        "skipped": first["skipped"],
+        "last_skip": first["last_skip"],
+        "history": first["history"],
     }
     if scaler._num_losses > 1:
         out["losses"] = losses
@@ -142,6 +172,8 @@ def _loss_entry(sd: dict[str, Any], cfg: ScaleConfig, where: str) -> dict[str, A
     if fields["skipped"] > fields["steps"]:
         raise ScalerCheckpointError(f"{where}: skipped > steps; the counters are inconsistent.")
     history = sd.get("history")
+    if isinstance(history, (list, tuple)) and not history:
+        history = None  # written by mixprec 0.6 before first use: nothing recorded yet
     if history is not None:
         if not (isinstance(history, (list, tuple)) and len(history) == HISTORY):
             size = len(history) if hasattr(history, "__len__") else "?"
@@ -156,19 +188,53 @@ def _loss_entry(sd: dict[str, Any], cfg: ScaleConfig, where: str) -> dict[str, A
     return fields
 
 
-def load_state_dict(scaler: GradScaler, sd: dict[str, Any]) -> None:
-    """See :meth:`GradScaler.load_state_dict`. Validates everything, then commits."""
-    if not scaler._enabled:
-        return
+def _wrong_kind(sd: dict[str, Any]) -> str | None:
+    """What `sd` is, when it is some other object's state dict (the usual mix-up)."""
+    fmt = sd.get("format")
+    if fmt == "mixprec.AmpOptimizer/1":
+        return ("this is an AmpOptimizer's state dict (mixprec.initialize's optimizer), which "
+                "holds the scaler under 'scaler': load it with optimizer.load_state_dict(...), "
+                "or pass state_dict['scaler'] here")  # fmt: skip
+    if fmt == "mixprec.TrainStep/1":
+        return ("this is a TrainStep's state dict: load it with step.load_state_dict(...), "
+                "which restores the scaler too")  # fmt: skip
+    if "state" in sd and "param_groups" in sd:
+        return (
+            "this is an optimizer's state dict (keys 'state' and 'param_groups'): load it "
+            "with optimizer.load_state_dict(...) and pass scaler.state_dict()'s output here"
+        )
+    for key in ("scaler", "grad_scaler", "scaler_state", "amp"):
+        if isinstance(sd.get(key), dict) and "scale" in sd[key]:
+            return (f"this looks like a whole training checkpoint; the scaler's state is under "
+                    f"{key!r}: pass state_dict[{key!r}]")  # fmt: skip
+    return None
+
+
+def validate(
+    scaler: GradScaler, sd: Any, *, in_iteration_ok: bool = False
+) -> tuple[ScaleConfig, list[dict[str, Any]]]:
+    """Check `sd` against `scaler` and return what loading it would set. Changes nothing.
+
+    Args:
+        in_iteration_ok: skip the between-iterations check (a caller that finishes the
+            iteration itself before loading: ``AmpOptimizer``'s deferred update).
+
+    Raises:
+        ScalerCheckpointError: naming the first problem.
+    """
     if not isinstance(sd, dict):
         raise ScalerCheckpointError(
-            f"GradScaler.load_state_dict expects a dict, got {type(sd).__name__}."
+            f"GradScaler.load_state_dict expects a dict (from scaler.state_dict() or "
+            f"torch.amp.GradScaler's), got {type(sd).__name__}."
         )
     if not sd:
         raise ScalerCheckpointError(
             "the state dict is empty: it was probably saved from a disabled GradScaler. Load it "
             "into a disabled scaler, or drop it."
         )
+    kind = _wrong_kind(sd)
+    if kind is not None:
+        raise ScalerCheckpointError(f"not a GradScaler state dict: {kind}.")
     missing = [k for k in _TORCH_KEYS if k not in sd]
     if missing:
         raise ScalerCheckpointError(
@@ -199,10 +265,19 @@ def load_state_dict(scaler: GradScaler, sd: dict[str, Any]) -> None:
             f"the state dict holds {len(entries)} loss scale(s) but this scaler has num_losses="
             f"{scaler._num_losses}; create the scaler with num_losses={len(entries)}."
         )
-    if scaler._per_optimizer:
+    if scaler._per_optimizer and not in_iteration_ok:
         raise ScalerCheckpointError(
-            "load_state_dict was called in the middle of an iteration; load between iterations."
+            "load_state_dict was called in the middle of an iteration; load between iterations "
+            "(before the first unscale_/step of an iteration, or after update())."
         )
+    return cfg, entries
+
+
+def load_state_dict(scaler: GradScaler, sd: dict[str, Any]) -> None:
+    """See :meth:`GradScaler.load_state_dict`. Validates everything, then commits."""
+    if not scaler._enabled:
+        return
+    cfg, entries = validate(scaler, sd)
     # Everything checked: commit.
     scaler._config = cfg
     scaler._init_scale = entries[0]["scale"]

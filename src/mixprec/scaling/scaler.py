@@ -15,8 +15,11 @@ as a thin shell around the pure update in `mixprec.scaling.state`:
   checked as local shards, so DTensor adds no collective of its own.
 - ``state_dict`` carries every field (scale, trackers, counters, config, per-loss scales) and
   loads torch.amp's format; a bad state dict is refused before anything changes.
+- Optimizers that handle scaling themselves get torch's contracts (`mixprec.scaling.contract`):
+  fused ones the ``grad_scale``/``found_inf`` attributes, older ones ``grad_scaler=self``.
 
-Reading values back (``get_scale``, ``state_dict``, ``stats``) synchronises, and says so.
+Reading values back (``get_scale``, ``state_dict``, ``stats``, ``last_step_skipped``,
+``explain``) synchronises, and says so.
 """
 
 from __future__ import annotations
@@ -26,17 +29,29 @@ import dataclasses
 import enum
 import math
 import warnings
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, overload
 
 import torch
 
 from mixprec._compat import capturing
-from mixprec.errors import MixprecError, PolicyError, format_options
-from mixprec.scaling import checkpoint
+from mixprec.errors import MixprecError, PolicyError
+from mixprec.scaling import checkpoint, contract, report
+from mixprec.scaling.report import SkipEvent
 from mixprec.scaling.skip import SkipMode, StepGuard, choose_mode
-from mixprec.scaling.state import HISTORY, ScaleConfig, ScaleState, init_state, update_scale
+from mixprec.scaling.state import (
+    ScaleConfig,
+    ScalerConfigError,
+    ScaleState,
+    checked_new_scale,
+    choice,
+    init_state,
+    is_int,
+    is_number,
+    update_scale,
+)
 from mixprec.scaling.unscale import IMPLS, check_finite_, group_grads, unscale_and_check_
 
 __all__ = ["GradScaler", "ScalerStateError", "SkipEvent"]
@@ -57,15 +72,6 @@ class _PerOptimizer:
     stage: _Stage = _Stage.READY
     found_inf: torch.Tensor | None = None  # on the scale's device, summed over devices
     pending: Any = None  # an async all-reduce handle to wait on before using found_inf
-
-
-@dataclass(frozen=True)
-class SkipEvent:
-    """One overflowing update, as reported to ``on_skip``: its index and the scale it used."""
-
-    step: int
-    scale: float
-    loss_id: int = 0
 
 
 @dataclass
@@ -125,6 +131,13 @@ class GradScaler:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             scaler.step(optimizer)                       # skipped on the device on overflow
             scaler.update()
+
+    With ``dynamic=True``, an `init_scale` outside ``[min_scale, max_scale]`` is moved inside,
+    as Apex does; ``explain()`` lists that and every other automatic decision.
+
+    Raises:
+        ScalerConfigError: an argument is invalid (the message names it, the valid values and,
+            for misspellings, the closest one).
     """
 
     def __init__(
@@ -150,37 +163,56 @@ class GradScaler:
     ) -> None:
         from mixprec.dtypes import parse_device_type
 
-        self._device = parse_device_type(device)
-        if not (isinstance(init_scale, (int, float)) and 0.0 < init_scale < math.inf):
-            raise PolicyError(f"GradScaler init_scale={init_scale!r} must be a finite number > 0.")
+        try:
+            self._device = parse_device_type(device)
+        except PolicyError as err:
+            raise ScalerConfigError(f"GradScaler device={device!r}: {err}") from None
+        if not (isinstance(enabled, bool) or (is_int(enabled) and enabled in (0, 1))):
+            raise ScalerConfigError(
+                f"GradScaler enabled={enabled!r} is not a bool: pass True or False (torch would "
+                f"treat any non-empty string, 'False' included, as True)."
+            )
+        enabled = bool(enabled)
+        if not (is_number(init_scale) and 0.0 < init_scale < math.inf):
+            raise ScalerConfigError(
+                f"GradScaler init_scale={init_scale!r} must be a finite number > 0 (2.0**16 is "
+                f"torch's default)."
+            )
         self._config = ScaleConfig(
-            float(growth_factor), float(backoff_factor), growth_interval, hysteresis,
+            growth_factor, backoff_factor, growth_interval, hysteresis,
             consecutive_hysteresis, min_scale, max_scale, dynamic,
         )  # fmt: skip
-        if not (isinstance(num_losses, int) and num_losses >= 1):
-            raise PolicyError(f"GradScaler num_losses={num_losses!r} must be an int >= 1.")
-        try:
-            self._skip_mode = SkipMode(skip_mode)
-        except ValueError:
-            raise PolicyError(
-                f"unknown skip_mode {skip_mode!r}. Valid skip modes: "
-                f"{format_options(m.value for m in SkipMode)}."
-            ) from None
-        if unscale_impl not in IMPLS:
-            raise PolicyError(
-                f"unknown unscale_impl {unscale_impl!r}. Valid: {format_options(IMPLS)}."
+        if not (is_int(num_losses) and num_losses >= 1):
+            raise ScalerConfigError(f"GradScaler num_losses={num_losses!r} must be an int >= 1.")
+        self._skip_mode = SkipMode(choice("skip_mode", skip_mode, [m.value for m in SkipMode]))
+        unscale_impl = choice("unscale_impl", unscale_impl, IMPLS)
+        if on_skip is not None and not callable(on_skip):
+            raise ScalerConfigError(
+                f"GradScaler on_skip={on_skip!r} must be a callable taking a SkipEvent, or None."
             )
-        if not (isinstance(check_every, int) and check_every >= 1):
-            raise PolicyError(f"GradScaler check_every={check_every!r} must be an int >= 1.")
+        if not (is_int(check_every) and check_every >= 1):
+            raise ScalerConfigError(f"GradScaler check_every={check_every!r} must be an int >= 1.")
+        self._notes: list[str] = []  # automatic decisions, with their reasons (explain())
         if enabled and self._device == "cuda" and not torch.cuda.is_available():
             warnings.warn(
                 "mixprec.GradScaler('cuda') is enabled but CUDA is not available; the scaler is "
                 "disabled. Use GradScaler('cpu') to scale on the CPU.",
                 stacklevel=2,
             )
+            self._notes.append("disabled: created for 'cuda', and CUDA is not available")
             enabled = False
-        self._enabled = bool(enabled)
-        self._init_scale = float(init_scale)
+        init_scale = float(init_scale)
+        cfg = self._config
+        if cfg.dynamic and cfg.max_scale is not None and init_scale > cfg.max_scale:
+            self._notes.append(f"init_scale {init_scale:g} lowered to max_scale "
+                               f"{cfg.max_scale:g} (Apex does the same)")  # fmt: skip
+            init_scale = cfg.max_scale
+        if cfg.dynamic and cfg.min_scale is not None and init_scale < cfg.min_scale:
+            self._notes.append(f"init_scale {init_scale:g} raised to min_scale "
+                               f"{cfg.min_scale:g} (Apex does the same)")  # fmt: skip
+            init_scale = cfg.min_scale
+        self._enabled = enabled
+        self._init_scale = init_scale
         self._num_losses = num_losses
         self._unscale_impl = unscale_impl
         self._process_group = process_group
@@ -191,6 +223,8 @@ class GradScaler:
         self._unchecked = 0  # updates since the last on_skip check (host count, no sync)
         self._host_updates = 0  # updates so far, counted on the host (= the device's `steps`)
         self._losses: list[_Loss] | None = None  # created on first use, on the data's device
+        # Loss fields to create the state from (a loaded or unpickled checkpoint), in
+        # checkpoint._loss_entry's form: floats, NaN for unwritten history slots.
         self._pending_load: list[dict[str, Any]] | None = None
         self._per_optimizer: dict[int, _PerOptimizer] = {}
         self._guards: dict[int, StepGuard] = {}
@@ -211,7 +245,7 @@ class GradScaler:
                 history = fields.pop("history", None)
                 state = init_state(fields.pop("scale", self._init_scale), self._config, device,
                                    **fields)  # fmt: skip
-                if history is not None:
+                if history is not None:  # floats, NaN where unwritten (checkpoint._loss_entry)
                     state.history.copy_(torch.tensor(history, dtype=torch.float32))
                 losses.append(_Loss(state))
             self._losses = losses
@@ -251,18 +285,22 @@ class GradScaler:
                 return value * loss.scale_on(value.device)
             if isinstance(value, (list, tuple)):
                 return type(value)(apply(v) for v in value)
+            if isinstance(value, Iterable) and not isinstance(value, (str, bytes, Mapping)):
+                return map(apply, value)  # as torch: other iterables come back as an iterator
+            hint = (" (a dict: scale its loss, e.g. scaler.scale(out['loss']))"
+                    if isinstance(value, Mapping) else "")  # fmt: skip
             raise TypeError(
                 f"GradScaler.scale expects a tensor or a list/tuple of tensors, got "
-                f"{type(value).__name__}."
+                f"{type(value).__name__}{hint}."
             )
 
         return apply(outputs)
 
     def _check_loss_id(self, loss_id: int) -> None:
-        if not (isinstance(loss_id, int) and 0 <= loss_id < self._num_losses):
-            raise PolicyError(
-                f"loss_id={loss_id!r} is out of range: this scaler has num_losses="
-                f"{self._num_losses}, so valid ids are 0..{self._num_losses - 1}."
+        if not (is_int(loss_id) and 0 <= loss_id < self._num_losses):
+            raise ScalerConfigError(
+                f"loss_id={loss_id!r} is not valid: this scaler has num_losses="
+                f"{self._num_losses}, so loss_id must be an int in 0..{self._num_losses - 1}."
             )
 
     @contextlib.contextmanager
@@ -293,7 +331,9 @@ class GradScaler:
         self._check_loss_id(loss_id)
         opts = optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]
         for opt in opts:
-            if self._state(opt).stage is not _Stage.READY:
+            contract.check_optimizer(opt, "scaled")
+        for opt in opts:
+            if self._peek(opt).stage is not _Stage.READY:
                 raise ScalerStateError(
                     "scaler.scaled(...) was used after unscale_() or step() in the same "
                     "iteration; all backward passes of an iteration come before unscaling."
@@ -336,6 +376,11 @@ class GradScaler:
     def _state(self, optimizer: torch.optim.Optimizer) -> _PerOptimizer:
         return self._per_optimizer.setdefault(id(optimizer), _PerOptimizer())
 
+    def _peek(self, optimizer: torch.optim.Optimizer) -> _PerOptimizer:
+        # The optimizer's iteration state without recording it: a call that fails its checks
+        # must leave the scaler as it was (able to pickle, save, start the iteration again).
+        return self._per_optimizer.get(id(optimizer)) or _PerOptimizer()
+
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients by the scale, counting non-finite ones. No sync.
 
@@ -344,32 +389,33 @@ class GradScaler:
         """
         if not self._enabled:
             return
-        state = self._state(optimizer)
-        if state.stage is _Stage.UNSCALED:
+        contract.check_optimizer(optimizer, "unscale_")
+        stage = self._peek(optimizer).stage
+        if stage is _Stage.UNSCALED:
             raise ScalerStateError(
                 "unscale_(optimizer) was already called for this optimizer since the last "
                 "update(). Call it once per iteration, after the last backward of the iteration "
                 "(after all micro-batches when accumulating gradients)."
             )
-        if state.stage is _Stage.STEPPED:
+        if stage is _Stage.STEPPED:
             raise ScalerStateError(
                 "unscale_(optimizer) was called after step(optimizer) in the same iteration: "
                 "step() already unscaled and applied the gradients. Call unscale_ before step, "
                 "or call update() to start the next iteration."
             )
         main = self._main_device()
+        if id(optimizer) not in self._already_unscaled and self._num_losses > 1:
+            raise ScalerStateError(
+                f"this scaler has num_losses={self._num_losses}: each loss has its own scale, "
+                f"so gradients must be unscaled per loss. Wrap each backward in "
+                f"`with scaler.scaled(loss, optimizer, loss_id=i) as s: s.backward()`."
+            )
         found = torch.zeros((), dtype=torch.float32, device=main)
         if id(optimizer) in self._already_unscaled:  # every loss block unscaled its share
             for loss in self._losses or ():
                 if loss.found_inf is not None:
                     found = found + loss.found_inf
         else:
-            if self._num_losses > 1:
-                raise ScalerStateError(
-                    f"this scaler has num_losses={self._num_losses}: each loss has its own scale, "
-                    f"so gradients must be unscaled per loss. Wrap each backward in "
-                    f"`with scaler.scaled(loss, optimizer, loss_id=i) as s: s.backward()`."
-                )
             loss = self._ensure(main)[0]
             groups = group_grads(p for g in optimizer.param_groups for p in g["params"])
             for device, per_dtype in groups.items():
@@ -379,21 +425,32 @@ class GradScaler:
                     unscale_and_check_(grads, inv, local, self._unscale_impl)
                 if local is not found:
                     found = found + local.to(main, non_blocking=True)
+        state = self._state(optimizer)
         state.found_inf = found
         state.pending = self._all_reduce(found, optimizer)
         state.stage = _Stage.UNSCALED
 
-    def _check_only(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-        # Fused optimizers unscale inside their kernel: only count non-finite scaled gradients.
+    def _check_only(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+        # Fused optimizers unscale inside their kernel: only count non-finite scaled gradients,
+        # per device (the keyword contract hands the per-device counts out).
         main = self._main_device()
-        found = torch.zeros((), dtype=torch.float32, device=main)
+        per_device: dict[torch.device, torch.Tensor] = {}
         groups = group_grads((p for g in optimizer.param_groups for p in g["params"]),
                              allow_fp16=True)  # fmt: skip
         for device, per_dtype in groups.items():
-            local = found if device == main else torch.zeros((), device=device)
+            local = per_device[device] = torch.zeros((), dtype=torch.float32, device=device)
             for grads in per_dtype.values():
                 check_finite_(grads, local)
-            if local is not found:
+        if not per_device:
+            per_device[main] = torch.zeros((), dtype=torch.float32, device=main)
+        return per_device
+
+    def _combine(self, per_device: dict[torch.device, torch.Tensor]) -> torch.Tensor:
+        main = self._main_device()
+        found = per_device.get(main)
+        found = torch.zeros((), dtype=torch.float32, device=main) if found is None else found
+        for device, local in per_device.items():
+            if device != main:
                 found = found + local.to(main, non_blocking=True)
         return found
 
@@ -421,10 +478,14 @@ class GradScaler:
 
         The skip happens on the device (see `mixprec.scaling.skip` for the modes and their
         costs); the return value is what ``optimizer.step`` returned (None when the step is
-        skipped in ``'sync'`` mode).
+        skipped on the host). Optimizers that handle scaling themselves get torch's contracts
+        (`mixprec.scaling.contract`): fused ones read ``grad_scale``/``found_inf`` (a preset
+        ``optimizer.grad_scale`` is multiplied in, as torch does), older ones receive
+        ``grad_scaler=self`` (with torch's FutureWarning).
         """
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
+        contract.check_optimizer(optimizer, "step")
         if "closure" in kwargs or (args and callable(args[0])):
             raise ScalerStateError(
                 "GradScaler.step does not take a closure: a closure recomputes the loss inside "
@@ -433,61 +494,95 @@ class GradScaler:
                 "that require a closure (LBFGS) cannot be used with loss scaling; use bf16 "
                 "without a scaler instead."
             )
-        state = self._state(optimizer)
-        if state.stage is _Stage.STEPPED:
+        if self._peek(optimizer).stage is _Stage.STEPPED:
             raise ScalerStateError(
                 "step(optimizer) was already called since the last update(). Call "
                 "scaler.update() once per iteration, after stepping every optimizer."
             )
-        guard = self._guards.get(id(optimizer))
-        if guard is None:
-            guard = StepGuard(*choose_mode(optimizer, self._skip_mode))
-            self._guards[id(optimizer)] = guard
-        grad_scale = None
-        if state.stage is _Stage.READY:
+        guard = self._guard(optimizer)  # refuses LBFGS
+        main = self._main_device()  # before any change: raises if nothing was scaled yet
+        if guard.keyword:
+            result = contract.keyword_step(self, optimizer, args, kwargs)
+            self._state(optimizer).stage = _Stage.STEPPED
+            return result
+        # A grad_scale the user set on a fused optimizer: torch multiplies it with the scale
+        # when the kernel unscales, and hands it on unchanged when the gradients are unscaled.
+        preset = getattr(optimizer, "grad_scale", None) if guard.mode is SkipMode.FUSED else None
+        grad_scale = preset
+        if self._peek(optimizer).stage is _Stage.READY:
             if guard.mode is SkipMode.FUSED and id(optimizer) not in self._already_unscaled:
-                state.found_inf = self._check_only(optimizer)
+                state = self._state(optimizer)
+                state.found_inf = self._combine(self._check_only(optimizer))
                 state.pending = self._all_reduce(state.found_inf, optimizer)
-                grad_scale = self._ensure(self._main_device())[0].state.scale
+                scale = self._ensure(main)[0].state.scale
+                grad_scale = scale if preset is None else scale * preset
                 state.stage = _Stage.UNSCALED
             else:
                 self.unscale_(optimizer)
+        state = self._state(optimizer)
         if state.pending is not None:
             state.pending.wait()
             state.pending = None
         assert state.found_inf is not None  # set by unscale_/_check_only above
-        result = guard.step(optimizer, state.found_inf, grad_scale,
+        # The guards decide on the 0/1 flag: what fused kernels need, and what step_skipped reads.
+        flag = self._flag(optimizer, state.found_inf)
+        result = guard.step(optimizer, flag, grad_scale,
                             lambda: optimizer.step(*args, **kwargs))  # fmt: skip
         state.stage = _Stage.STEPPED
         return result
+
+    def _guard(self, optimizer: torch.optim.Optimizer) -> StepGuard:
+        """`optimizer`'s guard: its skip mode, snapshot and skip flag (created at first step)."""
+        guard = self._known_guard(optimizer)
+        if guard is not None:
+            return guard
+        guard = StepGuard(*choose_mode(optimizer, self._skip_mode))
+        guard.owner = type(optimizer).__name__
+        # Read once: inspecting a signature costs more than the rest of a step.
+        guard.keyword = guard.mode is SkipMode.FUSED and contract.takes_scaler_keyword(optimizer)
+        guard.ref = weakref.ref(optimizer)
+        # Keyed by id; a dead optimizer's id can be reused, so drop the dead ones here.
+        self._guards = {k: g for k, g in self._guards.items() if g.ref() is not None}
+        self._guards[id(optimizer)] = guard
+        return guard
+
+    def _known_guard(self, optimizer: Any) -> StepGuard | None:
+        guard = self._guards.get(id(optimizer))
+        return guard if guard is not None and guard.ref() is optimizer else None
+
+    def _flag(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> torch.Tensor:
+        """Write `optimizer`'s persistent skip flag (0.0/1.0, fp32) from `found_inf`; return it."""
+        guard = self._guard(optimizer)
+        flag = guard.flag
+        if flag is None or flag.device != found_inf.device:
+            flag = guard.flag = torch.zeros_like(found_inf)
+        flag.copy_(found_inf > 0)
+        return flag
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Move the scale(s) for the next iteration: back off on overflow, grow when due. No sync.
 
         Args:
-            new_scale: set the scale (of loss 0) to this value instead of the rule.
+            new_scale: set the scale (of loss 0) to this value instead of the rule (the
+                trackers stay as they are, as in torch; the counters and history still record
+                the iteration).
         """
         if not self._enabled:
             return
+        if new_scale is not None:
+            new_scale = checked_new_scale(new_scale)
         if self._losses is None:
             raise ScalerStateError(
                 "update() was called before the scaler scaled anything; the order per iteration "
                 "is scale(loss).backward(), step(optimizer), update()."
             )
-        if new_scale is not None:
-            value = torch.as_tensor(new_scale, dtype=torch.float32)
-            if value.numel() != 1 or value.requires_grad:
-                raise PolicyError(
-                    "new_scale must be a float or a 1-element tensor that does not require grad."
-                )
-            self._losses[0].state.scale.copy_(value.reshape(()))
-        else:
-            steps = [s for s in self._per_optimizer.values() if s.found_inf is not None]
-            if not steps:
-                raise ScalerStateError(
-                    "update() was called, but no optimizer was stepped or unscaled since the "
-                    "last update(). Call scaler.step(optimizer) for every optimizer first."
-                )
+        steps = [s for s in self._per_optimizer.values() if s.found_inf is not None]
+        if not steps and new_scale is None:
+            raise ScalerStateError(
+                "update() was called, but no optimizer was stepped or unscaled since the "
+                "last update(). Call scaler.step(optimizer) for every optimizer first."
+            )
+        if steps:
             main = self._main_device()
             combined = torch.zeros((), dtype=torch.float32, device=main)
             for s in steps:
@@ -497,14 +592,22 @@ class GradScaler:
                 combined = combined + s.found_inf
             if self._num_losses > 1:
                 self._agree_per_loss(combined)
+            # With a new scale, the counters and history still record the iteration; the
+            # scale and trackers are set by hand (torch's update(new_scale) touches nothing
+            # else either).
+            config = self._config if new_scale is None else dataclasses.replace(
+                self._config, dynamic=False
+            )  # fmt: skip
             for loss in self._losses:
                 # With one loss, every overflow is its own; with several, each loss answers
                 # for the overflows of its own backward (its scaled() blocks).
                 own = combined if self._num_losses == 1 else (
                     loss.found_inf if loss.found_inf is not None else torch.zeros_like(combined)
                 )  # fmt: skip
-                self._replace(loss, update_scale(loss.state, own, self._config))
+                self._replace(loss, update_scale(loss.state, own, config))
                 loss.found_inf = None
+        if new_scale is not None:
+            self._losses[0].state.scale.copy_(new_scale.reshape(()))
         for loss in self._losses:
             loss.replicas.clear()
         self._per_optimizer.clear()
@@ -522,7 +625,7 @@ class GradScaler:
         if (self._on_skip is not None or self._listeners) and self._unchecked >= self._check_every:
             if capturing():  # a check reads the device: not while a CUDA graph records
                 return
-            self._maybe_report()
+            report.report_skips(self)
             self._unchecked = 0
 
     @property
@@ -585,18 +688,58 @@ class GradScaler:
         """Counters and trackers of every loss scale, as Python values. Synchronises."""
         return checkpoint.describe(self)
 
-    def _maybe_report(self) -> None:
-        assert self._losses is not None
-        steps = int(self._losses[0].state.steps.item()) if self._losses else 0  # sync
-        for loss_id, loss in enumerate(self._losses):
-            hist = loss.state.history.tolist()
-            for step in range(max(self._reported_steps, steps - HISTORY), steps):
-                used = hist[step % HISTORY]
-                if used < 0:
-                    event = SkipEvent(step, -used, loss_id)
-                    for listener in ([self._on_skip] if self._on_skip else []) + self._listeners:
-                        listener(event)
-        self._reported_steps = steps
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last ``update()`` saw an overflow, i.e. that iteration's steps were skipped.
+
+        For code that needs a Python bool, such as Accelerate's ``step_was_skipped`` or the
+        Transformers Trainer deciding whether to step its LR scheduler. With several optimizers,
+        True when any of them overflowed (the others stepped: see `step_skipped`). False before
+        the first update and when disabled. Survives ``state_dict`` and pickling.
+
+        Warning: reads the device, i.e. synchronises (once per read). To keep an LR schedule in
+        step without a sync, use `mixprec.SkipAwareLR`.
+        """
+        return report.last_step_skipped(self)
+
+    def explain(self) -> str:
+        """The settings, how each optimizer stepped so far is skipped and why, and every
+        automatic decision with its reason. Reads the scale (a sync)."""
+        return report.explain(self)
+
+    def step_skipped(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+        """A 0-dim device tensor: 1.0 where `optimizer`'s last ``scaler.step`` was skipped. No sync.
+
+        The same tensor after every step (it is written in place), so device-side code and
+        captured graphs can read it; None before the optimizer's first step through this
+        scaler. Wrapped optimizers (``mixprec.initialize``'s, Accelerate's) are looked up by
+        the optimizer they wrap.
+        """
+        seen: set[int] = set()
+        while optimizer is not None and id(optimizer) not in seen:
+            guard = self._known_guard(optimizer)
+            if guard is not None and guard.flag is not None:
+                return guard.flag
+            seen.add(id(optimizer))
+            optimizer = getattr(optimizer, "optimizer", None)
+        return None
+
+    # ------------------------------------------- torch.amp.GradScaler's methods for optimizers
+    # Optimizers of torch's keyword contract call these private methods of torch's scaler
+    # (`mixprec.scaling.contract`); they keep torch's meaning here.
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, torch.Tensor]:
+        """torch's: flag non-finite (still scaled) gradients per device, without unscaling."""
+        return contract.check_inf_per_device(self, optimizer)
+
+    def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, torch.Tensor]:
+        """torch's: the flags recorded for `optimizer` this iteration (by unscale_ or a check)."""
+        found = self._peek(optimizer).found_inf
+        return {} if found is None else {found.device: (found > 0).float()}
+
+    def _get_scale_async(self) -> torch.Tensor | None:
+        """torch's: the scale (of loss 0) as a device tensor, no sync; None before first use."""
+        return self.scale_tensor
 
     # ----------------------------------------------------------------- config accessors
 
@@ -606,7 +749,7 @@ class GradScaler:
 
     def set_growth_factor(self, new_factor: float) -> None:
         """Set the growth factor (validated)."""
-        self._config = dataclasses.replace(self._config, growth_factor=float(new_factor))
+        self._config = dataclasses.replace(self._config, growth_factor=new_factor)
 
     def get_backoff_factor(self) -> float:
         """The backoff factor."""
@@ -614,7 +757,7 @@ class GradScaler:
 
     def set_backoff_factor(self, new_factor: float) -> None:
         """Set the backoff factor (validated)."""
-        self._config = dataclasses.replace(self._config, backoff_factor=float(new_factor))
+        self._config = dataclasses.replace(self._config, backoff_factor=new_factor)
 
     def get_growth_interval(self) -> int:
         """The growth interval."""
@@ -634,7 +777,18 @@ class GradScaler:
         return self._enabled
 
     def skip_mode(self, optimizer: torch.optim.Optimizer) -> tuple[str, str]:
-        """How this scaler skips `optimizer`'s overflowing steps, and why."""
+        """How this scaler skips `optimizer`'s overflowing steps, and why.
+
+        After the optimizer's first step the answer includes what that step revealed (state
+        that snapshot-and-restore cannot hold back makes every step a host decision).
+
+        Raises:
+            ScalerConfigError: the optimizer cannot be used with loss scaling (LBFGS).
+        """
+        contract.check_optimizer(optimizer, "skip_mode")
+        guard = self._known_guard(optimizer)
+        if guard is not None:
+            return guard.mode.value, guard.reason
         mode, reason = choose_mode(optimizer, self._skip_mode)
         return mode.value, reason
 
@@ -655,13 +809,20 @@ class GradScaler:
         checkpoint.load_state_dict(self, state_dict)
 
     def __getstate__(self) -> dict[str, Any]:
+        """Pickle and ``copy.deepcopy`` support, between iterations only (as torch).
+
+        The device state travels as Python values (a sync) and is recreated on first use, on
+        the device of the first scaled tensor; the per-optimizer guards (snapshots, skip flags)
+        and skip listeners are not carried.
+        """
         if self._per_optimizer:
             raise ScalerStateError(
-                "a GradScaler can only be pickled between iterations (before scale() or after "
-                "update()); this one is in the middle of an iteration."
+                "a GradScaler can only be pickled or copied between iterations (before the "
+                "first unscale_/step of an iteration, or after update()); this one is in the "
+                "middle of an iteration: call scaler.update() first."
             )
         state = self.__dict__.copy()
-        state["_pending_load"] = checkpoint.loss_fields(self)
+        state["_pending_load"] = checkpoint.pending_entries(self)
         state["_losses"] = None
         state["_guards"] = {}
         state["_listeners"] = []

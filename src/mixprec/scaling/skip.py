@@ -5,7 +5,8 @@ fused optimizers, which receive the scale and ``found_inf`` tensors and skip ins
 mixprec keeps that fast path and adds an exact device-side skip for every other optimizer:
 
 - ``fused``: the optimizer consumes ``grad_scale``/``found_inf`` itself (torch's protocol: the
-  attributes are set for the duration of ``step()``); no copies, no sync.
+  attributes are set for the duration of ``step()``; see `mixprec.scaling.contract`); no
+  copies, no sync.
 - ``restore``: copy the parameters that have gradients and their ``optimizer.state`` tensors into
   persistent snapshot buffers, run ``step()`` unconditionally, then put the snapshot back where
   ``found_inf`` is set (``torch.where``): a skipped step leaves parameters and optimizer state
@@ -14,13 +15,21 @@ mixprec keeps that fast path and adds an exact device-side skip for every other 
 - ``sync``: torch's way: read ``found_inf`` on the host and call ``step()`` only if it is zero.
   One host-device synchronisation per step; no memory cost.
 
-``restore`` needs to know the state's structure before the step. The step that *creates* an
-optimizer's state (its first step, or the first step of newly added parameters) therefore
-decides on the host, once; a parameter that still has no state after a step that ran (SGD
-without momentum keeps none) is remembered as stateless, so it costs that one sync too, not one
-per step. State tensors on another device than ``found_inf`` (the CPU step
-counters of non-capturable Adam with CUDA parameters) cost a synchronisation per step: pass
-``capturable=True`` or ``fused=True`` to such optimizers to stay sync-free.
+The step that *creates* an optimizer's state (its first step, or the first step of newly added
+parameters) is decided on the host, once, in ``restore`` and ``fused`` mode alike: ``restore``
+has no state to restore to, and torch's fused kernels leave state they create unset when they
+skip (fused SGD with momentum allocates its momentum buffers with ``torch.empty_like`` and
+fills them in the kernel: a first step that overflowed left them uninitialised, and the run
+ended as far as 1e34 from one that never saw the batch; torch's own scaler has the same
+flaw). A skipped creating step creates no state, exactly as if the batch had never been seen.
+A parameter that still has no state after a step that ran (SGD without momentum keeps none) is
+remembered as stateless, so it costs that one sync too, not one per step.
+
+State that no device-side restore can hold back makes every step of that optimizer a host
+decision (one sync per step), and the guard's ``reason`` says which state: a Python number
+(SparseAdam's step counter), a sparse tensor (SGD's momentum for sparse gradients), a tensor
+on another device than ``found_inf`` (the CPU step counters of non-capturable Adam with CUDA
+parameters: pass ``capturable=True`` or ``fused=True`` to stay sync-free).
 """
 
 from __future__ import annotations
@@ -33,6 +42,11 @@ from typing import Any
 import torch
 
 from mixprec._compat import local_tensor
+from mixprec.scaling.contract import (
+    consumes_scale_attributes,
+    refuse_closure_optimizer,
+    takes_scaler_keyword,
+)
 
 __all__ = ["SkipMode", "StepGuard", "choose_mode"]
 
@@ -47,16 +61,28 @@ class SkipMode(str, enum.Enum):
 
 
 def choose_mode(optimizer: torch.optim.Optimizer, requested: SkipMode) -> tuple[SkipMode, str]:
-    """The skip mode for `optimizer`, and why."""
-    fused = getattr(optimizer, "_step_supports_amp_scaling", False)
-    if fused and requested in (SkipMode.AUTO, SkipMode.FUSED):
-        return SkipMode.FUSED, (
-            f"{type(optimizer).__name__} consumes grad_scale/found_inf in its fused kernel"
-        )
+    """The skip mode for `optimizer`, and why.
+
+    Raises:
+        ScalerConfigError: the optimizer can only step with a closure (LBFGS).
+    """
+    refuse_closure_optimizer(optimizer)
+    name = type(optimizer).__name__
+    if requested in (SkipMode.AUTO, SkipMode.FUSED):
+        if takes_scaler_keyword(optimizer):
+            return SkipMode.FUSED, (
+                f"{name}.step takes grad_scaler=... (torch's older contract, which torch "
+                f"deprecates): the scaler passes itself and {name} unscales and skips by its own "
+                f"code, as under torch.amp.GradScaler"
+            )
+        if consumes_scale_attributes(optimizer):
+            return SkipMode.FUSED, (
+                f"{name} consumes grad_scale/found_inf in its fused kernel; the step that creates "
+                f"its state is decided on the host once, because torch's fused kernels leave new "
+                f"state unset when they skip"
+            )
     if requested is SkipMode.FUSED:
-        return SkipMode.RESTORE, (
-            f"{type(optimizer).__name__} is not fused; skipping by snapshot-and-restore instead"
-        )
+        return SkipMode.RESTORE, (f"{name} is not fused; skipping by snapshot-and-restore instead")
     if requested is SkipMode.SYNC:
         return SkipMode.SYNC, "requested: one host sync per step, no memory cost"
     return SkipMode.RESTORE, (
@@ -66,15 +92,18 @@ def choose_mode(optimizer: torch.optim.Optimizer, requested: SkipMode) -> tuple[
 
 
 def _tracked(
-    optimizer: torch.optim.Optimizer, stateless: dict[int, weakref.ref]
-) -> tuple[list[torch.Tensor], bool]:
-    """Tensors a step may modify (params with grads, their state), and whether state is complete.
+    optimizer: torch.optim.Optimizer, stateless: dict[int, weakref.ref], device: torch.device
+) -> tuple[list[torch.Tensor], bool, str | None]:
+    """Tensors a step may modify (params with grads, their state), and two verdicts.
 
-    A parameter without state is complete only if a step already ran for it (`stateless`):
-    otherwise this step may create its state.
+    ``complete``: every such parameter has its state (or is known stateless: `stateless`);
+    otherwise this step may create state. ``host_only``: why some state cannot be restored on
+    `device` (a Python number, a sparse tensor, a tensor elsewhere), or None.
     """
     tensors: list[torch.Tensor] = []
     complete = True
+    host_only = None
+    name = type(optimizer).__name__
     for group in optimizer.param_groups:
         for p in group["params"]:
             if p.grad is None:
@@ -86,8 +115,22 @@ def _tracked(
                 if known is None or known() is not p:
                     complete = False
                 continue
-            tensors.extend(local_tensor(v) for v in state.values() if isinstance(v, torch.Tensor))
-    return tensors, complete
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    if value.is_sparse:
+                        host_only = f"{name} keeps its state {key!r} as a sparse tensor"
+                    elif value.device != device:
+                        host_only = (
+                            f"{name} keeps its state {key!r} on {value.device} (pass "
+                            f"capturable=True or fused=True to keep it on {device})"
+                        )
+                    tensors.append(local_tensor(value))  # FSDP2: this rank's shard
+                elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                    host_only = (
+                        f"{name} keeps its state {key!r} as a Python "
+                        f"{type(value).__name__}, which only the host can hold back"
+                    )
+    return tensors, complete, host_only
 
 
 class StepGuard:
@@ -96,6 +139,14 @@ class StepGuard:
     def __init__(self, mode: SkipMode, reason: str) -> None:
         self.mode = mode
         self.reason = reason
+        self.owner = ""  # the optimizer's class name, for explanations
+        self.fallback: str | None = None  # why restoring cannot be exact (host decides instead)
+        self.keyword = False  # the optimizer takes step(grad_scaler=...) (torch's older contract)
+        self.ref: Callable[[], Any] = lambda: None  # a weak reference to the optimizer
+        # 0-dim fp32 flag, 1.0 where the optimizer's last step was skipped; written in place
+        # every step (captured graphs and SkipAwareLR hold it). None before the first step.
+        self.flag: torch.Tensor | None = None
+        self._complete_at: tuple[int, int, int] | None = None  # see _state_complete
         self._snapshot: list[torch.Tensor] = []
         # id(param) -> weakref(param): params a step ran for that kept no optimizer state.
         # (Keyed by id: tensors compare elementwise, so they cannot be set members.)
@@ -109,31 +160,29 @@ class StepGuard:
         grad_scale: torch.Tensor | None,
         run: Callable[[], Any],
     ) -> Any:
-        """Call `run` (which calls ``optimizer.step``) under this guard's skip mode."""
+        """Call `run` (which calls ``optimizer.step``) under this guard's skip mode.
+
+        `found_inf` is the scaler's 0/1 overflow flag for this optimizer (a 0-dim tensor).
+        """
         if self.mode is SkipMode.FUSED:
-            # found_inf counts non-finite tensors; fused kernels skip only when it is exactly
-            # 1.0 (and subtract it from their step counters), so hand them a 0/1 flag.
-            optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
-            optimizer.found_inf = (found_inf > 0).to(found_inf.dtype)  # type: ignore[attr-defined]
-            try:
-                return run()
-            finally:
-                del optimizer.grad_scale  # type: ignore[attr-defined]
-                del optimizer.found_inf  # type: ignore[attr-defined]
+            return self._fused_step(optimizer, found_inf, grad_scale, run)
         if self.mode is SkipMode.SYNC:
             self.host_syncs += 1
             return None if bool(found_inf.item()) else run()
-        tensors, complete = _tracked(optimizer, self._stateless)
+        if self.fallback is not None:  # restoring cannot be exact: decide on the host
+            return self._host_step(optimizer, found_inf, run)
+        tensors, complete, host_only = _tracked(optimizer, self._stateless, found_inf.device)
         if not tensors:  # no gradients: the step changes nothing either way
             return run()
-        if not complete or any(t.device != found_inf.device for t in tensors):
-            # State is about to be created (or lives on another device): decide on the host.
-            self.host_syncs += 1
-            if bool(found_inf.item()):
-                return None
-            result = run()
-            self._note_stateless(optimizer)
-            return result
+        if host_only is not None:
+            self.fallback = host_only
+            self.reason = (
+                f"snapshot-and-restore cannot leave this state exactly as it was: {host_only}; "
+                f"so each step is decided on the host instead (one sync per step)"
+            )
+            return self._host_step(optimizer, found_inf, run)
+        if not complete:  # state is about to be created: decide on the host, once
+            return self._host_step(optimizer, found_inf, run)
         self._ensure_snapshot(tensors)
         with torch.no_grad():
             torch._foreach_copy_(self._snapshot, tensors)
@@ -143,6 +192,73 @@ class StepGuard:
             for current, saved in zip(tensors, self._snapshot, strict=True):
                 current.copy_(torch.where(skip, saved, current))
         return result
+
+    def _host_step(
+        self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, run: Callable[[], Any]
+    ) -> Any:
+        self.host_syncs += 1
+        if bool(found_inf.item()):
+            return None
+        result = run()
+        self._note_stateless(optimizer)
+        return result
+
+    def _fused_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        found_inf: torch.Tensor,
+        grad_scale: torch.Tensor | None,
+        run: Callable[[], Any],
+    ) -> Any:
+        try:
+            complete = self._state_complete(optimizer)
+            if complete:
+                # Fused kernels skip only when found_inf is exactly 1.0 (and subtract it from
+                # their step counters): the scaler hands a 0/1 flag, never a count.
+                flag = found_inf
+            else:  # this step creates state: decide on the host, once (module docstring)
+                self.host_syncs += 1
+                if bool(found_inf.item()):
+                    return None
+                flag = torch.zeros_like(found_inf)
+            optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
+            optimizer.found_inf = flag  # type: ignore[attr-defined]
+            result = run()
+            if not complete:
+                self._note_stateless(optimizer)
+            return result
+        finally:
+            # torch deletes both after the step, a grad_scale the user preset included.
+            for name in ("grad_scale", "found_inf"):
+                if name in vars(optimizer):
+                    delattr(optimizer, name)
+
+    def _state_complete(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether every parameter with a gradient has its state (or is known stateless).
+
+        Cost: a pass over the parameters (about 0.15 us each), skipped once *every* parameter
+        has state, while the state container, its size and the parameter count stay those of
+        that check: no parameter can then create state (a new param group or a loaded state
+        dict changes the key).
+        """
+        key = (id(optimizer.state), len(optimizer.state),
+               sum(len(g["params"]) for g in optimizer.param_groups))  # fmt: skip
+        if key == self._complete_at:
+            return True
+        everyone = True
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if optimizer.state.get(p):
+                    continue
+                everyone = False
+                if p.grad is None:
+                    continue
+                known = self._stateless.get(id(p))
+                if known is None or known() is not p:
+                    return False
+        if everyone:
+            self._complete_at = key
+        return True
 
     def _note_stateless(self, optimizer: torch.optim.Optimizer) -> None:
         for group in optimizer.param_groups:

@@ -25,20 +25,77 @@ are still skipped.
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
-from mixprec.errors import PolicyError
+from mixprec.errors import MixprecError, format_options
 
-__all__ = ["HISTORY", "ScaleConfig", "ScaleState", "init_state", "update_scale"]
+__all__ = [
+    "HISTORY",
+    "ScaleConfig",
+    "ScaleState",
+    "ScalerConfigError",
+    "checked_new_scale",
+    "choice",
+    "init_state",
+    "is_int",
+    "is_number",
+    "update_scale",
+]
 
 #: Length of the device-side ring buffer of past scales (and overflow flags).
 HISTORY = 1024
 
 _TINY = torch.finfo(torch.float32).tiny
+
+
+class ScalerConfigError(MixprecError, ValueError):
+    """A GradScaler argument or setting is invalid (the message names it and the valid values)."""
+
+
+def is_number(value: object) -> bool:
+    """A real number, not a bool (``True`` is an int to Python, and always a slip here)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_int(value: object) -> bool:
+    """An int, not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def choice(name: str, value: object, options: Any) -> str:
+    """`value` if it is one of `options` (strings); else a ScalerConfigError with suggestions."""
+    options = [str(o) for o in options]
+    if isinstance(value, str) and value in options:
+        return value
+    msg = f"GradScaler {name}={value!r} is not valid."
+    if isinstance(value, str):
+        close = difflib.get_close_matches(value.lower(), options, n=2, cutoff=0.6)
+        if close:
+            msg += f" Did you mean {format_options(close)}?"
+    plural = name.replace("_", " ") + "s"
+    raise ScalerConfigError(f"{msg} Valid {plural}: {format_options(options)}.")
+
+
+def checked_new_scale(value: object) -> torch.Tensor:
+    """``update(new_scale=...)``'s argument as a 0-dim fp32 tensor, or a ScalerConfigError."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.requires_grad or not value.is_floating_point():
+            raise ScalerConfigError(
+                f"update(new_scale=...) got a tensor of shape {tuple(value.shape)}, dtype "
+                f"{value.dtype}, requires_grad={value.requires_grad}: it must be a float or a "
+                f"1-element floating-point tensor that does not require grad."
+            )
+        return value.detach().to(torch.float32)
+    if not (is_number(value) and 0.0 < value < math.inf):
+        raise ScalerConfigError(
+            f"update(new_scale={value!r}) must be a finite number > 0 or a 1-element tensor."
+        )
+    return torch.tensor(float(value), dtype=torch.float32)
 
 
 @dataclass(frozen=True)
@@ -67,34 +124,40 @@ class ScaleConfig:
     dynamic: bool = True
 
     def __post_init__(self) -> None:
-        def bad(name: str, rule: str) -> PolicyError:
-            return PolicyError(
+        def bad(name: str, rule: str) -> ScalerConfigError:
+            return ScalerConfigError(
                 f"GradScaler {name}={getattr(self, name)!r} is invalid: it must be {rule}."
             )
 
-        if not (isinstance(self.growth_factor, (int, float)) and self.growth_factor > 1.0):
+        if not (is_number(self.growth_factor) and self.growth_factor > 1.0):
             raise bad("growth_factor", "a number > 1.0 (2.0 doubles the scale)")
-        if not (isinstance(self.backoff_factor, (int, float)) and 0.0 < self.backoff_factor < 1.0):
+        if not (is_number(self.backoff_factor) and 0.0 < self.backoff_factor < 1.0):
             raise bad("backoff_factor", "a number in (0, 1) (0.5 halves the scale)")
-        if not (isinstance(self.growth_interval, int) and self.growth_interval >= 1):
+        if not (is_int(self.growth_interval) and self.growth_interval >= 1):
             raise bad("growth_interval", "an int >= 1")
-        if not (isinstance(self.hysteresis, int) and self.hysteresis >= 1):
+        if not (is_int(self.hysteresis) and self.hysteresis >= 1):
             raise bad("hysteresis", "an int >= 1 (1 backs off on every overflow, like torch)")
+        for name in ("consecutive_hysteresis", "dynamic"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "True or False")
         for name in ("min_scale", "max_scale"):
             value = getattr(self, name)
-            if value is not None and not (
-                isinstance(value, (int, float)) and 0.0 < value < math.inf
-            ):
+            if value is not None and not (is_number(value) and 0.0 < value < math.inf):
                 raise bad(name, "None or a finite number > 0")
         if (
             self.min_scale is not None
             and self.max_scale is not None
             and self.min_scale > self.max_scale
         ):
-            raise PolicyError(
+            raise ScalerConfigError(
                 f"GradScaler min_scale={self.min_scale} is above max_scale={self.max_scale}; "
                 f"the floor must not exceed the ceiling."
             )
+        # Validated: store numbers as floats, so equal configs compare (and fingerprint) equal.
+        for name in ("growth_factor", "backoff_factor", "min_scale", "max_scale"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, float(value))
 
 
 class ScaleState(NamedTuple):

@@ -28,6 +28,8 @@ from typing import Any, Protocol
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from mixprec.scaling.schedule import reads_device_lr
+
 __all__ = [
     "CudaGraphs",
     "Fingerprint",
@@ -37,10 +39,6 @@ __all__ = [
     "fingerprint",
     "prepare",
 ]
-
-# Optimizers that read a tensor lr on the device with capturable=True (others call .item() on
-# it). Fused optimizers take a device lr whatever their class.
-_TENSOR_LR = (torch.optim.Adam, torch.optim.AdamW)
 
 
 # --------------------------------------------------------------------------- input signature
@@ -175,7 +173,6 @@ def prepare(optimizer: torch.optim.Optimizer, device: torch.device) -> list[str]
     notes: list[str] = []
     name = type(optimizer).__name__
     for i, group in enumerate(optimizer.param_groups):
-        fused = bool(group.get("fused"))
         # torch refuses to record step() of a group without the flag, fused ones included.
         if "capturable" in group and not group["capturable"]:
             group["capturable"] = True
@@ -192,8 +189,7 @@ def prepare(optimizer: torch.optim.Optimizer, device: torch.device) -> list[str]
             # optimizers stepping outside a capture does not apply.
             optimizer._warned_capturable_if_run_uncaptured = True  # type: ignore[attr-defined]
         lr = group.get("lr")
-        device_lr = fused or (group.get("capturable") and isinstance(optimizer, _TENSOR_LR))
-        if isinstance(lr, float) and device_lr:
+        if isinstance(lr, float) and reads_device_lr(optimizer, group):
             group["lr"] = torch.tensor(lr, dtype=torch.float32, device=device)
             notes.append(
                 f"{name} param group {i}: lr held as a device tensor (LR schedulers update it "

@@ -16,6 +16,7 @@ so they produce the same numbers; there is no silent divergence to opt into.
 
 from __future__ import annotations
 
+import difflib
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -71,8 +72,11 @@ class TrainStep:
         clip_grad_norm: clip the unscaled gradients (fp32 masters in O2) to this total norm
             inside the step; None: no clipping.
         capture: ``'auto'``, ``'cuda_graph'`` or ``'eager'`` (see `CAPTURE_MODES`).
-        compile: run the model through ``torch.compile`` (a dict is passed to it as keyword
-            arguments); the loss stays eager. Combines with capture.
+        compile: compile the model and the loss as one graph with ``torch.compile`` (a dict is
+            passed to it as keyword arguments). Under O1 the opt level's policy is applied to
+            the whole captured graph (`mixprec.AmpBackend`; the dict may also name the inner
+            ``backend`` and the ``casts`` mode), so the loss follows the policy too. Combines
+            with capture.
         warmup: eager steps per input signature before capturing it, counted while the
             optimizer's hyperparameters stay unchanged (lazy initialisation, cuDNN autotuning
             and compilation happen there).
@@ -90,6 +94,8 @@ class TrainStep:
         captured: whether the last call replayed a captured graph.
         reason: why the last call ran the way it did.
         notes: every automatic change made to the optimizer, with its reason.
+        amp_backend: with ``compile`` under O1, the `mixprec.AmpBackend` compiling the step
+            (its ``reports`` say which casts each graph makes and why); else None.
 
     Costs: a call does no host-device synchronisation. A capture synchronises once and holds
     a private memory pool (activations and gradients) per cached input signature.
@@ -122,15 +128,35 @@ class TrainStep:
                 "TrainStep needs exactly one of loss_fn (loss_fn(model(*inputs), target)) and "
                 "compute_loss (compute_loss(model, *batch) -> loss)."
             )
+        for name, fn in (("loss_fn", loss_fn), ("compute_loss", compute_loss)):
+            if fn is not None and not callable(fn):
+                example = (
+                    "loss_fn=torch.nn.functional.cross_entropy"
+                    if name == "loss_fn"
+                    else "compute_loss=lambda model, x, y: F.mse_loss(model(x), y)"
+                )
+                raise PolicyError(
+                    f"TrainStep {name}={fn!r} is not callable: pass a function, e.g. {example}."
+                )
         if capture not in CAPTURE_MODES:
+            close = difflib.get_close_matches(str(capture).replace("-", "_"), CAPTURE_MODES, n=1)
             raise PolicyError(
-                f"unknown capture mode {capture!r}. Valid modes: {format_options(CAPTURE_MODES)}."
+                f"unknown capture mode {capture!r}."
+                + (f" Did you mean {close[0]!r}?" if close else "")
+                + f" Valid modes: {format_options(CAPTURE_MODES)}."
+            )
+        if not isinstance(compile, (bool, dict)):
+            raise PolicyError(
+                f"TrainStep compile={compile!r} must be True, False or a dict of torch.compile "
+                f"arguments, e.g. compile={{'mode': {compile!r}}}."
             )
         for name, value in (("warmup", warmup), ("max_graphs", max_graphs)):
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise PolicyError(f"TrainStep {name}={value!r} must be an int >= 1.")
         if clip_grad_norm is not None and not (
-            isinstance(clip_grad_norm, (int, float)) and clip_grad_norm > 0
+            isinstance(clip_grad_norm, (int, float))
+            and not isinstance(clip_grad_norm, bool)
+            and clip_grad_norm > 0
         ):
             raise PolicyError(
                 f"clip_grad_norm={clip_grad_norm!r} must be a positive number or None."
@@ -179,6 +205,7 @@ class TrainStep:
             optimizer._scaling.scaler = scaler
         self._clip = None if clip_grad_norm is None else float(clip_grad_norm)
         self._user_loss = _loss_from(loss_fn, compute_loss)
+        self.amp_backend: Any = None
         self._loss = self._build_loss(compile)
         self._device = device
         self.notes: list[str] = []
@@ -232,12 +259,26 @@ class TrainStep:
         opts = self.options
         user = self._user_loss
         model: Any = self.model
+
+        def plain(*batch: Any) -> torch.Tensor:
+            return user(model, *batch)
+
         if compile:
-            # The model only: under torch.compile a torch function mode does not see the
-            # torch._C._nn functions behind F.cross_entropy, F.mse_loss and other losses
-            # (docs/policy.md, "torch.compile"), so the loss stays eager, where the policy
-            # puts it in fp32.
-            model = torch.compile(model, **(compile if isinstance(compile, dict) else {}))
+            # Model and loss in one compiled graph. O1 applies its policy to the whole captured
+            # graph (mixprec.graph), losses included, which no function mode would see there.
+            kwargs = dict(compile) if isinstance(compile, dict) else {}
+            if opts.patch_torch_functions:
+                from mixprec.graph.backend import AmpBackend
+
+                self.amp_backend = AmpBackend(
+                    policy=opts.policy,
+                    dtype=opts.dtype,
+                    device_type=opts.device_type,
+                    backend=kwargs.pop("backend", "inductor"),
+                    casts=kwargs.pop("casts", "exact"),
+                )
+                return torch.compile(plain, backend=self.amp_backend, **kwargs)
+            return torch.compile(plain, **kwargs)
         if opts.patch_torch_functions:  # O1: the loss too runs under autocast, as in the loop
             from mixprec.eager.autocast import autocast
 
@@ -246,7 +287,7 @@ class TrainStep:
                     return user(model, *batch)
 
             return loss
-        return lambda *batch: user(model, *batch)
+        return plain
 
     # ------------------------------------------------------------------ the step
 

@@ -1,0 +1,283 @@
+"""`mixprec.compile` and `AmpBackend`: graph-level AMP as a ``torch.compile`` backend.
+
+    compiled = mixprec.compile(model, policy="fp32=layer_norm", dtype="bf16")
+    compiled = torch.compile(model, backend=mixprec.AmpBackend(dtype="bf16"))
+    compiled = torch.compile(model, backend="mixprec")       # default policy, once installed
+
+Each graph dynamo captures is run as if inside ``mixprec.autocast(device, dtype, policy)``:
+recorded through the eager engine at aten level (`mixprec.graph.trace`), its casts minimised
+(`mixprec.graph.casts`), then handed to the inner backend (``inductor`` by default,
+``aot_eager`` or ``eager``), which derives the backward from the cast graph. Model code that
+opens its own regions (``torch.autocast(enabled=False)``, an O1 model's region) keeps them: the
+recorded graph replays its region changes.
+
+Unlike a region around a compiled function, nothing is hidden from the policy here: the
+``torch._C._nn`` losses, interpolation and padding, which no torch function mode sees while
+dynamo traces, are ordinary nodes of the captured graph, so they get the policy too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import fx
+
+from mixprec.dtypes import parse_device_type, resolve_dtype
+from mixprec.eager.autocast import autocast
+from mixprec.errors import PolicyError
+from mixprec.graph.casts import CAST_MODES, CastReport, minimise_casts
+from mixprec.graph.trace import trace_with_policy
+from mixprec.policy.categories import OpCategory
+from mixprec.policy.policy import DEFAULT_POLICY, Policy
+
+__all__ = ["AmpBackend", "compile", "default_backend"]
+
+
+class AmpBackend:
+    """A ``torch.compile`` backend that applies a mixprec policy to every captured graph.
+
+    Args:
+        policy: a `mixprec.Policy` or its string form (default: torch.autocast's lists).
+        dtype: the low dtype (default: the policy's, else the device's: fp16 CUDA, bf16 CPU).
+        device_type: the device type of the region (default: that of the graph's first floating
+            input tensor, parameters included).
+        backend: the backend that compiles the result: a name (``'inductor'``, ``'aot_eager'``,
+            ``'eager'``) or a backend callable.
+        casts: ``'exact'``, ``'minimal'`` or ``'off'``: the cast-minimising pass (see
+            `mixprec.graph.casts`).
+
+    Attributes:
+        reports: one `CastReport` per compiled graph (casts and bytes before and after, the
+            reason for each remaining cast, every aten op with its category and reason).
+
+    Costs: at compile time, one extra trace of each graph; at run time, nothing beyond the
+    compiled graph itself. No host-device synchronisation.
+    """
+
+    def __init__(
+        self,
+        policy: Policy | str | None = None,
+        dtype: str | torch.dtype | None = None,
+        device_type: str | None = None,
+        backend: str | Callable[..., Any] = "inductor",
+        casts: str = "exact",
+    ) -> None:
+        if isinstance(policy, str):
+            policy = Policy.from_string(policy)
+        elif policy is None:
+            policy = DEFAULT_POLICY
+        elif not isinstance(policy, Policy):
+            raise PolicyError(
+                f"policy must be a mixprec.Policy or its string form, got {type(policy).__name__}."
+            )
+        if casts not in CAST_MODES:
+            minimise_casts(fx.GraphModule({}, fx.Graph()), casts, _none, _none)  # the error
+        if not (isinstance(backend, str) or callable(backend)):
+            raise PolicyError(
+                f"backend must be a torch.compile backend name ('inductor', 'aot_eager', "
+                f"'eager') or a backend callable, got {type(backend).__name__} {backend!r}."
+            )
+        self.policy = policy
+        self.device_type = None if device_type is None else parse_device_type(device_type)
+        if dtype is not None:
+            resolve_dtype(self.device_type or "cpu", dtype)  # validate now, not at first call
+        self.dtype = dtype
+        self.backend = backend
+        self.casts = casts
+        self.reports: list[CastReport] = []
+        _keep_functions_whole(policy)
+
+    def __repr__(self) -> str:
+        return (
+            f"mixprec.AmpBackend(policy={self.policy!r}, dtype={self.dtype!r}, "
+            f"device_type={self.device_type!r}, backend={self.backend!r}, casts={self.casts!r})"
+        )
+
+    def region(self, example_inputs: list[Any]) -> tuple[str, torch.dtype]:
+        """The (device type, low dtype) a graph with these inputs runs in."""
+        device = self.device_type
+        if device is None:
+            device = next(
+                (t.device.type for t in example_inputs
+                 if isinstance(t, torch.Tensor) and t.is_floating_point()),
+                "cpu",
+            )  # fmt: skip
+            device = parse_device_type(device)
+        return device, resolve_dtype(device, self.dtype, self.policy.compute).dtype
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        device, dtype = self.region(example_inputs)
+        traced = trace_with_policy(gm, example_inputs, device, dtype, self.policy)
+        category, reason = _deciders(self.policy, device, dtype)
+        needs_grad = [isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs]
+        report = minimise_casts(traced, self.casts, category, reason, len(self.reports), needs_grad)
+        self.reports.append(report)
+        inner = self.backend
+        if inner == "eager":
+            return _without_torch_autocast(traced)
+        if isinstance(inner, str):
+            from torch._dynamo import lookup_backend
+
+            inner = lookup_backend(inner)
+        # The graph carries every cast the policy wants: torch's own (dispatcher-level) autocast
+        # must not apply its lists on top, neither while AOTAutograd traces it nor when it runs.
+        with torch._C._DisableAutocast():
+            compiled = inner(traced, example_inputs)
+        return _without_torch_autocast(compiled)
+
+    def summary(self) -> str:
+        """All graphs' cast reports as text."""
+        if not self.reports:
+            return "no graph compiled yet: call the compiled function once"
+        return "\n".join(str(r) for r in self.reports)
+
+
+def _keep_functions_whole(policy: Policy) -> None:
+    """Make dynamo record calls of ``@mixprec.half_function`` & co (and of callables the policy
+    moves) as single nodes instead of inlining their bodies, so that the re-trace under the
+    region meets the call itself: its inputs are cast and its body runs with autocast off, as in
+    eager. Uses torch's public ``torch.compiler.allow_in_graph``; functions decorated after the
+    first compilation are inlined (decorate before compiling)."""
+    from mixprec.eager.table import declared_functions
+
+    movable = [ov.target for ov in policy.overrides if callable(ov.target)]
+    for fn in [*declared_functions(), *movable]:
+        torch.compiler.allow_in_graph(fn)
+
+
+def _none(_name: str) -> Any:
+    return OpCategory.PASSTHROUGH
+
+
+def _deciders(
+    policy: Policy, device: str, dtype: torch.dtype
+) -> tuple[Callable[[str], OpCategory], Callable[[str], str]]:
+    @functools.cache
+    def decide(name: str) -> Any:
+        try:
+            return policy.decide(name, device_type=device, dtype=dtype)
+        except PolicyError:  # a name the policy does not know: runs in its input dtype
+            return None
+
+    def category(name: str) -> OpCategory:
+        d = decide(name)
+        return OpCategory.PASSTHROUGH if d is None else d.category
+
+    def reason(name: str) -> str:
+        d = decide(name)
+        return "in no list: runs in its input dtype" if d is None else d.reason
+
+    return category, reason
+
+
+def compile(
+    model_or_fn: Any,
+    *,
+    policy: Policy | str | None = None,
+    dtype: str | torch.dtype | None = None,
+    device_type: str | None = None,
+    backend: str | Callable[..., Any] = "inductor",
+    casts: str = "exact",
+    **compile_kwargs: Any,
+) -> Any:
+    """``torch.compile`` with the policy applied to every captured graph (see `AmpBackend`).
+
+    Each call runs inside ``mixprec.autocast(device, dtype, policy)``, so that dynamo traces the
+    code as it runs in a region (model code that asks ``torch.is_autocast_enabled()``, ops that
+    only work once cast), and the backend then applies the policy to the whole captured graph,
+    including the ops no function mode sees while dynamo traces.
+
+    Args:
+        model_or_fn: an ``nn.Module`` or a function (a whole training step's forward and loss,
+            for example).
+        policy, dtype, device_type, backend, casts: as for `AmpBackend`.
+        compile_kwargs: passed to ``torch.compile`` (``fullgraph``, ``dynamic``, ``mode``...).
+
+    Returns:
+        For a module, what ``torch.compile`` returns (with two hooks that open and close the
+        region); for a function, a wrapper of the compiled function. Either has the attribute
+        ``mixprec_backend``: the `AmpBackend` (``.reports``, ``.summary()``).
+
+    Examples:
+        >>> step = mixprec.compile(lambda x, y: F.cross_entropy(model(x), y), dtype="bf16")
+        >>> loss = step(x, y)        # the loss in fp32, the matmuls in bf16, backward alike
+    """
+    amp = AmpBackend(policy=policy, dtype=dtype, device_type=device_type, backend=backend,
+                     casts=casts)  # fmt: skip
+    compiled = torch.compile(model_or_fn, backend=amp, **compile_kwargs)
+    if isinstance(model_or_fn, torch.nn.Module):
+        state = _Region(amp, model_or_fn)
+        compiled.register_forward_pre_hook(state.enter)
+        compiled.register_forward_hook(state.exit, always_call=True)
+        compiled.mixprec_backend = amp
+        return compiled
+
+    @functools.wraps(model_or_fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with _Region(amp, None).around(args, kwargs):
+            return compiled(*args, **kwargs)
+
+    run.mixprec_backend = amp  # type: ignore[attr-defined]
+    return run
+
+
+class _Region:
+    """The backend's region around each call (per thread): dynamo then traces the code as it
+    runs in a region (``torch.is_autocast_enabled()`` branches, ops that only work once cast),
+    and the backend applies the policy to the whole captured graph."""
+
+    _local = threading.local()
+
+    def __init__(self, amp: AmpBackend, module: torch.nn.Module | None) -> None:
+        self.amp = amp
+        self.module = module
+
+    def _stack(self) -> list[autocast]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def open(self, tensors: list[Any]) -> autocast:
+        device, dtype = self.amp.region(tensors)
+        region = autocast(device, dtype=dtype, policy=self.amp.policy)
+        region.__enter__()
+        return region
+
+    def enter(self, module: torch.nn.Module, args: tuple) -> None:
+        first = next(iter(self.module.parameters()), None) if self.module is not None else None
+        self._stack().append(self.open([first] if first is not None else list(args)))
+
+    def exit(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        self._stack().pop().__exit__(None, None, None)
+
+    @contextlib.contextmanager
+    def around(self, args: tuple, kwargs: dict) -> Iterator[None]:
+        region = self.open([*args, *kwargs.values()])
+        try:
+            yield
+        finally:
+            region.__exit__(None, None, None)
+
+
+def _without_torch_autocast(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """Run an already cast graph with torch's dispatcher-level autocast off, so that nothing
+    recasts its ops (the calls run inside the backend's region, where it is on)."""
+
+    def run(*args: Any) -> Any:
+        with torch._C._DisableAutocast():
+            return compiled(*args)
+
+    # Keep the boxed calling convention of AOTAutograd's compiled functions, if any.
+    run._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]
+    return run
+
+
+def default_backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+    """``torch.compile(model, backend="mixprec")``: the default policy, inductor, exact casts."""
+    return AmpBackend()(gm, example_inputs)

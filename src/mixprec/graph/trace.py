@@ -1,0 +1,175 @@
+"""Apply a policy to a captured graph: re-trace it through the eager engine to aten level.
+
+Why this route (and not a rewrite of AOTAutograd's forward/backward graphs): the casts of mixed
+precision must exist *before* differentiation, so that backward runs in the dtypes the forward
+used, exactly as eager autograd records them. Dynamo hands a backend a torch-level graph; we run
+that graph node by node inside a ``mixprec.autocast`` region while ``make_fx(pre_dispatch=True)``
+records it. Every node is an ordinary torch call, so the region's dispatch table sees each one,
+including the ``torch._C._nn`` functions (the losses) that no function mode sees while dynamo
+traces. The recording is an aten graph taken above autograd (composites such as ``linear``,
+``layer_norm`` or ``cross_entropy_loss`` are still single nodes) with the policy's casts as
+explicit nodes. AOTAutograd then derives forward and backward from it, and the inner backend
+(``eager``, ``aot_eager``, ``inductor``) compiles them.
+
+So the graph path makes its decisions with the same tables and the same rule code as the eager
+engine: a compiled function gets the dtypes eager ``mixprec.autocast`` gives, op for op, policy
+edits and ``@mixprec.half_function`` & co included.
+
+Cost: one extra trace per graph at compile time (no cost per call).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.fx.traceback as fx_traceback
+from torch import fx
+
+from mixprec.dtypes import DEVICE_TYPES
+from mixprec.eager.autocast import autocast
+from mixprec.policy.policy import Policy
+
+__all__ = ["trace_with_policy"]
+
+
+def trace_with_policy(
+    gm: fx.GraphModule,
+    example_inputs: list[Any],
+    device_type: str,
+    dtype: torch.dtype,
+    policy: Policy,
+) -> fx.GraphModule:
+    """Record `gm` run under ``mixprec.autocast(device_type, dtype, policy)`` as an aten graph.
+
+    Args:
+        gm: a torch-level graph (what dynamo passes to a backend).
+        example_inputs: its inputs (fake tensors from dynamo, or real ones).
+        device_type, dtype, policy: the region the whole graph runs in.
+
+    Returns:
+        A pre-dispatch aten ``GraphModule`` with the same calling convention as `gm`, in which
+        every cast the policy makes is an explicit node; ``node.meta['val']`` holds fake values.
+    """
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    interpreter = _Annotating(gm)
+
+    def run(*args: Any) -> Any:
+        with autocast(device_type, dtype=dtype, policy=policy):
+            return interpreter.run(*args)
+
+    fake_mode = detect_fake_mode(example_inputs)
+    if fake_mode is None:
+        with fx_traceback.preserve_node_meta():
+            return make_fx(run, pre_dispatch=True, tracing_mode="fake")(*example_inputs)
+    # Dynamo's own fake mode (and its shape environment): symbolic sizes stay symbolic.
+    fakes = [
+        fake_mode.from_tensor(t)
+        if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor)
+        else t
+        for t in example_inputs
+    ]
+    with fake_mode, fx_traceback.preserve_node_meta():
+        return make_fx(run, pre_dispatch=True, tracing_mode="real")(*fakes)
+
+
+#: ``node.meta['custom'][ORIGIN]`` on a recorded aten node: ``(name of the captured torch-level
+#: node it came from, whether that node was an explicit cast in the model's code)``.
+ORIGIN = "mixprec_origin"
+
+_ENTER = torch.amp.autocast_mode._enter_autocast
+_EXIT = torch.amp.autocast_mode._exit_autocast
+
+_CAST_METHODS = frozenset({"to", "float", "half", "bfloat16", "double", "type"})
+
+
+# Files of the eager engine that make the policy's casts (their frames appear in the stack
+# trace dynamo records for a cast it traced through a region).
+_RULE_FILES = tuple(
+    os.path.join(os.path.dirname(os.path.dirname(__file__)), "eager", f)
+    for f in ("rules.py", "custom.py")
+)
+
+
+def _explicit_cast(node: fx.Node) -> bool:
+    """A cast the model's code makes itself (``h.float()``), not one a rule made."""
+    if node.op == "call_method":
+        is_cast = node.target in _CAST_METHODS
+    else:
+        is_cast = node.op == "call_function" and getattr(node.target, "__name__", "") in (
+            _CAST_METHODS
+        )
+    trace = node.meta.get("stack_trace") or ""
+    return is_cast and not any(f in trace for f in _RULE_FILES)
+
+
+class _Annotating(fx.Interpreter):
+    """Runs the captured graph; every aten node recorded for a captured node remembers it.
+
+    A ``mixprec.autocast`` region inside the captured code was recorded by dynamo as raw state
+    changes with the values of trace time: entering sets torch's autocast state, exiting sets
+    it back to what it was *then* (no region). Replayed inside the backend's own region, that
+    exit would switch the backend's region off for the rest of the graph, so the replay treats
+    the recorded nesting counter as brackets and restores the state it saw at the opening one.
+    """
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self._brackets: list[tuple[Any, ...]] = []
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.op == "call_function" and n.target is _ENTER:
+            # A torch.autocast region in the model's code. Recording it as a node would let
+            # torch's dispatcher apply its lists to the region when the graph is compiled; the
+            # eager engine follows torch's state instead, so apply the state change now (the
+            # casts it implies are recorded as explicit nodes) and record nothing.
+            device, dtype, enabled, cache = self.map_nodes_to_values(n.args, n)
+            saved = _torch_state()
+            torch.autocast_increment_nesting()
+            torch.set_autocast_enabled(device, enabled)
+            if dtype is not None:
+                torch.set_autocast_dtype(device, dtype)
+            if cache is not None:
+                torch.set_autocast_cache_enabled(cache)
+            return saved
+        if n.op == "call_function" and n.target is _EXIT:
+            (saved,) = self.map_nodes_to_values(n.args, n)
+            _set_torch_state(saved)
+            torch.autocast_decrement_nesting()
+            return None
+        if n.op == "call_function" and n.target is torch.autocast_increment_nesting:
+            self._brackets.append(_torch_state())
+        elif n.op == "call_function" and n.target is torch.autocast_decrement_nesting:
+            out = super().run_node(n)
+            if self._brackets:
+                _set_torch_state(self._brackets.pop())
+            return out
+        saved = n.meta.get("custom")
+        n.meta["custom"] = {**(saved or {}), ORIGIN: (n.name, _explicit_cast(n))}
+        try:
+            with fx_traceback.set_current_meta(n):
+                return super().run_node(n)
+        finally:
+            if saved is None:
+                n.meta.pop("custom", None)
+            else:
+                n.meta["custom"] = saved
+
+
+def _torch_state() -> tuple[Any, ...]:
+    per_device = tuple(
+        (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) for dev in DEVICE_TYPES
+    )
+    return per_device, torch.is_autocast_cache_enabled()
+
+
+def _set_torch_state(state: tuple[Any, ...]) -> None:
+    per_device, cache = state
+    for dev, enabled, dtype in per_device:
+        torch.set_autocast_enabled(dev, enabled)
+        torch.set_autocast_dtype(dev, dtype)
+    torch.set_autocast_cache_enabled(cache)
