@@ -168,6 +168,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
         if rank == 0:
             _report([r for rs, _ in all_records for r in rs],
                     sorted({f for _, fs in all_records for f in fs}), args)  # fmt: skip
+        dist.barrier()  # every rank leaves together: none tears its group down under another
     finally:
         dist.destroy_process_group()
     if failed:

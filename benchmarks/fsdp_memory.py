@@ -168,6 +168,7 @@ def _run(args: argparse.Namespace) -> None:
                 with open(args.json, "w") as fh:
                     json.dump(records, fh, indent=1)
                 print(f"wrote {args.json}")
+        dist.barrier()  # every rank leaves together: none tears its group down under another
     finally:
         dist.destroy_process_group()
 

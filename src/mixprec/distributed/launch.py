@@ -48,8 +48,10 @@ class DistContext:
         return {"device_ids": [self.local_rank]} if self.device.startswith("cuda") else {}
 
     def close(self) -> None:
-        """Destroy the process group if `init_from_env` created it."""
+        """Destroy the process group if `init_from_env` created it (after a barrier: every rank
+        leaves together, so none tears its connections down under another)."""
         if self.owns_group and is_initialized():
+            torch.distributed.barrier()
             torch.distributed.destroy_process_group()
 
 
