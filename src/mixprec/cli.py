@@ -293,10 +293,10 @@ def _without_nproc(argv: Sequence[str]) -> list[str]:
 
 
 def _join(device: str) -> Any:
-    """This process's place in a torchrun job (rank 0 of 1 outside one)."""
-    from mixprec.distributed.launch import init_from_env
+    """This process's place in a torchrun job (rank 0 of 1 outside one), as a context manager."""
+    from mixprec.distributed.launch import joined
 
-    return init_from_env(device)
+    return joined(device)
 
 
 # ------------------------------------------------------------------------------- commands
@@ -327,8 +327,7 @@ def _bench(args: argparse.Namespace) -> int:
     launched = _launch(args)
     if launched is not None:
         return launched
-    ctx = _join(device)
-    try:
+    with _join(device) as ctx:
         show = not args.no_progress and ctx.is_main
         tick, close = _progress(len(workloads) * len(variants), show, "bench")
         try:
@@ -337,8 +336,6 @@ def _bench(args: argparse.Namespace) -> int:
                               dist=ctx)  # fmt: skip
         finally:
             close()
-    finally:
-        ctx.close()
     if not ctx.is_main:
         return 0
     meta = {**report.metadata(device), "world_size": ctx.world_size}
@@ -390,21 +387,20 @@ def _train(args: argparse.Namespace) -> int:
     launched = _launch(args)
     if launched is not None:
         return launched
-    ctx = _join(device)
     seeds = list(range(args.seed, args.seed + args.seeds))
-    if ctx.is_main:
-        ranks = f"; {ctx.world_size} ranks ({ctx.backend})" if ctx.distributed else ""
-        print(f"{data.describe()}; model {args.model}; {device} {dtype_name(dtype)}; modes "
-              f"{', '.join(modes)}; {args.epochs} epochs; seeds {seeds}{ranks}")  # fmt: skip
-    show = not args.no_progress and ctx.is_main
-    tick, close = _progress(len(modes) * len(seeds) * args.epochs, show, "train")
-    try:
-        records = train.train(data, model=args.model, modes=modes, epochs=args.epochs,
-                              batch_size=args.batch_size, device=device, dtype=dtype,
-                              seeds=seeds, tick=lambda: tick(""), dist=ctx)  # fmt: skip
-    finally:
-        close()
-        ctx.close()
+    with _join(device) as ctx:
+        if ctx.is_main:
+            ranks = f"; {ctx.world_size} ranks ({ctx.backend})" if ctx.distributed else ""
+            print(f"{data.describe()}; model {args.model}; {device} {dtype_name(dtype)}; modes "
+                  f"{', '.join(modes)}; {args.epochs} epochs; seeds {seeds}{ranks}")  # fmt: skip
+        show = not args.no_progress and ctx.is_main
+        tick, close = _progress(len(modes) * len(seeds) * args.epochs, show, "train")
+        try:
+            records = train.train(data, model=args.model, modes=modes, epochs=args.epochs,
+                                  batch_size=args.batch_size, device=device, dtype=dtype,
+                                  seeds=seeds, tick=lambda: tick(""), dist=ctx)  # fmt: skip
+        finally:
+            close()
     if not ctx.is_main:
         return 0
     summary = train.summarize(records)

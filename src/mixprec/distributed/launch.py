@@ -11,15 +11,23 @@ nodes, a rendezvous server) works the same way: the commands only read the envir
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from mixprec.distributed.topology import DistributedError, is_initialized
 
-__all__ = ["DistContext", "in_worker", "init_from_env", "launch", "torchrun_command"]
+__all__ = [
+    "DistContext",
+    "in_worker",
+    "init_from_env",
+    "joined",
+    "launch",
+    "torchrun_command",
+]
 
 
 @dataclass(frozen=True)
@@ -47,11 +55,16 @@ class DistContext:
         """Keyword arguments for ``DistributedDataParallel`` on this process's device."""
         return {"device_ids": [self.local_rank]} if self.device.startswith("cuda") else {}
 
-    def close(self) -> None:
-        """Destroy the process group if `init_from_env` created it (after a barrier: every rank
-        leaves together, so none tears its connections down under another)."""
+    def close(self, wait: bool = True) -> None:
+        """Destroy the process group if `init_from_env` created it.
+
+        `wait`: a barrier first, so every rank leaves together and none tears its connections
+        down under another. Not after an error: the other ranks may never reach the barrier
+        (torchrun stops them when this process exits).
+        """
         if self.owns_group and is_initialized():
-            torch.distributed.barrier()
+            if wait:
+                torch.distributed.barrier()
             torch.distributed.destroy_process_group()
 
 
@@ -87,6 +100,18 @@ def init_from_env(device: str) -> DistContext:
     if owns:
         torch.distributed.init_process_group(backend)
     return DistContext(rank, world, local, where, backend, owns)
+
+
+@contextlib.contextmanager
+def joined(device: str) -> Iterator[DistContext]:
+    """`init_from_env` for a block; the group is closed after it (without a barrier on error)."""
+    ctx = init_from_env(device)
+    try:
+        yield ctx
+    except BaseException:
+        ctx.close(wait=False)
+        raise
+    ctx.close()
 
 
 def torchrun_command(nproc_per_node: int, argv: Sequence[str]) -> list[str]:
