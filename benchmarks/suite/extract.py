@@ -265,6 +265,40 @@ def extract_graph_amp(ctx: Context, log: str) -> Figures:
     return f
 
 
+# ------------------------------------------------------------------ j, k: distributed
+
+
+def extract_ddp(ctx: Context, log: str) -> Figures:
+    doc = _load(ctx, "j-ddp.json")
+    f = Figures(raw=doc)
+    f.table = [{k: r.get(k) for k in ("level", "dtype", "rank", "world_size", "eager_ms",
+                                        "captured_ms", "speedup", "first_captured_call",
+                                        "agrees_with_eager")} for r in doc]  # fmt: skip
+    f.put("failed checks", sum(len(r.get("failed") or []) for r in doc))
+    for r in doc:
+        if r.get("rank") == 0:
+            f.put(
+                f"{r['level']} {r['dtype']} captured / eager",
+                _ratio(r.get("captured_ms"), r.get("eager_ms")),
+            )
+    return f
+
+
+def extract_fsdp_memory(ctx: Context, log: str) -> Figures:
+    doc = _load(ctx, "k-fsdp.json")
+    f = Figures(raw=doc)
+    f.table = doc
+    rank0 = {r["config"]: r for r in doc if r.get("rank") == 0}
+    o2, mp = rank0.get("mixprec O2"), rank0.get("fsdp2 mp")
+    f.put(
+        "O2 total - FSDP2 policy total (bytes)",
+        None if not (o2 and mp) else o2["total"] - mp["total"],
+    )
+    for name, r in rank0.items():
+        f.put(f"{name} peak MiB", r.get("peak_MiB"), "memory peaks are measured on CUDA only")
+    return f
+
+
 # ------------------------------------------------------------------ f: opt levels
 
 

@@ -161,6 +161,29 @@ PARTS: list[Part] = [
                     "mixprec.compile <= 1.0x torch.autocast + compile (GPT-2-like, time)"),),
     ),
     Part(
+        name="j-ddp", priority=76, estimate_s=60, timeout_s=240,
+        title="TrainStep under DDP: the whole step, DDP's all-reduce included, one CUDA graph",
+        command=lambda ctx: [ctx.python, "benchmarks/ddp_trainstep.py", "--json",
+                             ctx.path("j-ddp.json")]
+        + (["--device", "cpu", "--steps", "18", "--width", "32", "--batch", "8"]
+           if ctx.smoke else ["--nproc", "1"]),
+        extract=ex.extract_ddp, ok_returncodes=(0, 1),  # 1: a check failed, JSON written
+        goals=(Goal("failed checks", "==", 0,
+                    "DDP step captured, equal to eager, ranks agree (TrainStep ddp=True)"),),
+    ),
+    Part(
+        name="k-fsdp-memory", priority=77, estimate_s=60, timeout_s=240,
+        title="memory per rank under FSDP2: fp32, FSDP2's policy, mixprec O2",
+        command=lambda ctx: [ctx.python, "benchmarks/fsdp_memory.py", "--json",
+                             ctx.path("k-fsdp.json")]
+        + (["--device", "cpu", "--nproc", "2", "--width", "32", "--depth", "2"]
+           if ctx.smoke else ["--device", "cuda", "--nproc", "1", "--width", "2048",
+                              "--depth", "8"]),
+        extract=ex.extract_fsdp_memory,
+        goals=(Goal("O2 total - FSDP2 policy total (bytes)", "==", 0,
+                    "O2 on FSDP2 adds no fp32 copy beyond FSDP2's own"),),
+    ),
+    Part(
         name="h-bench", priority=80, estimate_s=150, timeout_s=480,
         title="mixprec bench all --full, with JSON and PNG",
         command=lambda ctx: [ctx.python, "-m", "mixprec", "bench",
