@@ -34,31 +34,16 @@ import platform
 import statistics
 import sys
 import time
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixprec
 from mixprec.bench.models import GPT, GPTConfig
 from mixprec.bench.report import cpu_name
-
-
-class CastCounter(TorchDispatchMode):
-    """Counts aten._to_copy calls by (source, target) dtype, below autograd."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.casts: Counter[tuple[torch.dtype, torch.dtype]] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.ops.aten._to_copy.default:
-            self.casts[(args[0].dtype, kwargs.get("dtype", args[0].dtype))] += 1
-        return func(*args, **kwargs)
+from mixprec.diagnostics.casts import CastCounter
 
 
 def _workloads(device: str, smoke: bool) -> dict[str, tuple[Callable[[], Any], mixprec.Policy]]:
@@ -159,7 +144,7 @@ def run(
         counter = CastCounter()
         with counter, mixprec.autocast(device, dtype=dtype, policy=policy):
             loss(*batch)
-        eager_casts = sum(n for (a, b), n in counter.casts.items() if a != b)
+        eager_casts = counter.conversions
         variants, reported = _variants(device, dtype, policy, model, loss, backend)
         for fn in variants.values():  # compile and warm up
             for _ in range(2):

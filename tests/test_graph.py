@@ -473,7 +473,7 @@ def test_bad_arguments_name_the_options():
     assert str(err.value).startswith(
         "unknown casts mode 'fast'. Valid modes: 'exact', 'minimal' or 'off' (exact: remove"
     )
-    with pytest.raises(mixprec.PolicyError, match="policy must be a mixprec.Policy"):
+    with pytest.raises(TypeError, match="policy must be a mixprec.Policy, its string form"):
         mixprec.AmpBackend(policy=42)  # type: ignore[arg-type]
     with pytest.raises(mixprec.PolicyError, match="backend must be a torch.compile backend"):
         mixprec.AmpBackend(backend=42)  # type: ignore[arg-type]
