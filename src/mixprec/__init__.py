@@ -16,6 +16,7 @@ from mixprec.diagnostics import (
     scale_history,
     watch_nonfinite,
 )
+from mixprec.distributed import DistributedError, fully_shard, load_checkpoint, save_checkpoint
 from mixprec.dtypes import default_dtype
 from mixprec.eager import (
     autocast,
@@ -59,6 +60,7 @@ __all__ = [
     "BannedOpError",
     "CastReport",
     "Decision",
+    "DistributedError",
     "ExplainReport",
     "GradScaler",
     "MixprecError",
@@ -86,14 +88,17 @@ __all__ = [
     "describe",
     "explain",
     "float_function",
+    "fully_shard",
     "get_autocast_dtype",
     "get_autocast_policy",
     "grad_underflow",
     "half_function",
     "initialize",
     "is_autocast_enabled",
+    "load_checkpoint",
     "master_params",
     "promote_function",
+    "save_checkpoint",
     "scale_history",
     "scale_loss",
     "update_scale",

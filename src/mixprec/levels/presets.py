@@ -20,7 +20,7 @@ import torch
 
 from mixprec.dtypes import dtype_name, parse_device_type, parse_dtype, resolve_dtype
 from mixprec.errors import PolicyError, format_options, unknown_value
-from mixprec.policy.policy import Policy
+from mixprec.policy.policy import Policy, as_policy
 
 __all__ = ["OVERRIDES", "AmpOptions", "OptLevel", "describe", "resolve"]
 
@@ -249,9 +249,7 @@ def resolve(
                    "losses are computed in fp32 on the model's outputs" if preset.cast_model_outputs
                    else "outputs stay in the dtype the model computed them in")  # fmt: skip
     num_losses = pick("num_losses", 1, "one loss, one scale")
-    policy = pick("policy", Policy(), "torch.autocast's op lists")
-    if isinstance(policy, str):
-        policy = Policy.from_string(policy)
+    policy = as_policy(pick("policy", None, "torch.autocast's op lists"), "the policy override")
 
     _check(level, low, model_type, patch, keep_bn, master, loss_scale, min_ls, max_ls,
            num_losses, policy, overrides)  # fmt: skip
@@ -290,8 +288,6 @@ def _check(level, low, model_type, patch, keep_bn, master, loss_scale, min_ls, m
         )
     if not (isinstance(num_losses, int) and not isinstance(num_losses, bool) and num_losses >= 1):
         raise PolicyError(f"num_losses={num_losses!r} is invalid: use an int >= 1.")
-    if not isinstance(policy, Policy):
-        raise PolicyError("policy must be a mixprec.Policy or its string form.")
     if model_type not in (None, torch.float32, low):
         raise PolicyError(
             f"cast_model_type={dtype_name(model_type)!r} is neither fp32 nor this run's low "
