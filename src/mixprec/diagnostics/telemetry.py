@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from mixprec._optional import require_matplotlib
 from mixprec.errors import MixprecError
 
 __all__ = ["ScaleHistory", "UnderflowReport", "grad_underflow", "scale_history"]
@@ -203,8 +204,6 @@ class ScaleHistory:
 
     def plot(self, path: str) -> str:
         """Draw the scale (log axis) with skipped updates marked to a PNG at `path`."""
-        from mixprec.bench.report import require_matplotlib
-
         plt = require_matplotlib()
         fig, ax = plt.subplots(figsize=(7, 3.2))
         xs = [r["update"] for r in self.rows]
