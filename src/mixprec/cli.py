@@ -432,7 +432,9 @@ def _explain(args: argparse.Namespace) -> int:
     result = explain(model, batch[0][: args.batch], device_type=device, dtype=dtype,
                      policy=args.policy or None, backward=args.backward)  # fmt: skip
     print(f"{workload.title}, batch {args.batch}")
-    print(result.format(all_calls=args.all))
+    command = " ".join(["mixprec", *sys.argv[1:]]) if sys.argv[1:2] == ["explain"] else (
+        f"mixprec explain {args.model}")  # fmt: skip
+    print(result.format(all_calls=args.all, all_hint=f"`{command} --all` lists them"))
     if args.json:
         with open(args.json, "w") as f:
             f.write(result.to_json())
