@@ -144,7 +144,13 @@ def test_without_a_budget_the_default_sizes_and_steps_run(monkeypatch):
     rows, info = runner.run(["fake"], ["fp32", "O1"], device="cpu", dtype=torch.bfloat16,
                             full=False, budget=None)  # fmt: skip
     assert [(r["size"], r["steps"], r["warmup"]) for r in rows] == [("size 0", 4, 1)] * 2
-    assert info["budget_s"] is None
+    assert info["budget_s"] is None and info["interleaved"]
+    # With --full (and on CUDA) the variants run one after another, each alone.
+    log.clear()
+    rows, info = runner.run(["fake"], ["fp32", "O1"], device="cpu", dtype=torch.bfloat16,
+                            full=True, budget=None)  # fmt: skip
+    assert [name for name, _ in log] == ["fp32"] * 5 + ["O1"] * 5
+    assert not info["interleaved"] and [r["steps"] for r in rows] == [4, 4]
 
 
 # ---------------------------------------------------------------------------- pictures
