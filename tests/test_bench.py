@@ -96,7 +96,8 @@ def test_budget_shrinks_the_slow_rows_and_keeps_every_ratio_at_one_size(monkeypa
     log: list[tuple[str, str]] = []
     sizes = [WorkloadSize(f"size {i}", 8, 2, {"t": t, "log": log})
              for i, t in enumerate((0.01, 0.0025, 0.0006, 0.00015))]  # fmt: skip
-    fake = Workload("fake", "sleeps", sizes[0], sizes[0], None, None, None, tuple(sizes[1:]))
+    fake = Workload("fake", "sleeps", sizes[0], sizes[0], None, None, None, tuple(sizes[1:]),
+                    lambda p: 4e9 * p["t"] / 0.01)  # fmt: skip
     variants = {"fp32": _Sleeper("fp32", "fp32", False),
                 "torch.amp": _Sleeper("torch.amp", "amp", True),
                 "O1": _Sleeper("O1", "O1", True)}  # fmt: skip
@@ -122,7 +123,7 @@ def test_budget_shrinks_the_slow_rows_and_keeps_every_ratio_at_one_size(monkeypa
     assert amp["speedup_vs_fp32"] == pytest.approx(1 / 20, rel=0.4)
     assert by[("O1", "size 1")]["speedup_vs_torch_amp"] == pytest.approx(1.0, rel=0.4)
     assert all(r["steps"] >= runner.MIN_STEPS for r in rows)
-    assert took < 1.6 * 1.5 and info["budget_s"] == 1.6
+    assert took < 1.6 + 1.0 and info["budget_s"] == 1.6
     # On the CPU the rows of a block take turns, step by step.
     timed = [name for name, size in log if size == "size 1"][-6:]
     assert timed == ["fp32", "torch.amp", "O1"] * 2
@@ -151,6 +152,15 @@ def test_without_a_budget_the_default_sizes_and_steps_run(monkeypatch):
                             full=True, budget=None)  # fmt: skip
     assert [name for name, _ in log] == ["fp32"] * 5 + ["O1"] * 5
     assert not info["interleaved"] and [r["steps"] for r in rows] == [4, 4]
+
+
+def test_planning_estimates_match_the_counted_flops():
+    from mixprec.bench.workloads import WORKLOADS
+
+    for w in WORKLOADS.values():
+        for size in w.ladder(True, "cpu"):
+            counted = runner._flops(w, size, "cpu")
+            assert 0.67 < w.cost(size.params) / counted < 1.5, (w.name, size.description)
 
 
 # ---------------------------------------------------------------------------- pictures
@@ -203,17 +213,22 @@ def test_readme_bench_on_slow_16_bit_matmuls_ends_within_its_budget(tmp_path):
     start-up, say what the machine can show, and show what runs in its progress bar."""
     budget = 10
     js, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    # One thread: on a shared CI machine, two threads stall each other whenever another process
+    # takes a core, and the point here is the slow 16-bit path, not the thread count.
+    env = {**ENV, "OMP_NUM_THREADS": "1"}
+    busy = os.getloadavg()[0] > (os.cpu_count() or 1)  # oversubscribed: every step is slower
     t0 = time.perf_counter()
     out = subprocess.run(
         [sys.executable, "-m", "mixprec", "bench", "--dtype", "fp16", "--budget", str(budget),
          "--json", str(js), "--plot", str(png)],
-        capture_output=True, text=True, timeout=300, env=ENV,
+        capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip
     took = time.perf_counter() - t0
     assert out.returncode == 0, out.stderr
     rows = json.loads(js.read_text())
-    assert rows[0]["elapsed_s"] < budget * 1.5, rows[0]["elapsed_s"]
-    assert took < budget * 1.5 + 20  # + interpreter, torch and matplotlib start-up
+    margin = budget * (1.5 if busy else 0.5)
+    assert rows[0]["elapsed_s"] < budget + margin, (rows[0]["elapsed_s"], os.getloadavg())
+    assert took < budget + margin + 20  # + interpreter, torch and matplotlib start-up
     assert "What this machine can show: fp16 matmuls run at" in out.stdout
     assert f"Sizes fitted to a {budget} s budget" in out.stdout
     # Progress: the statement as soon as the rates are known, and what runs.

@@ -116,7 +116,8 @@ def render_table(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
     wrap = textwrap.TextWrapper(width=100, subsequent_indent="  ")
     threads = meta.get("cpu_threads")
     lines = [f"mixprec {meta['mixprec']} | torch {meta['torch']} | {meta['device_name']}"
-             + (f", {threads} threads" if threads and rows and rows[0]["device"] == "cpu" else ""),
+             + (f", {threads} thread{'s' * (threads != 1)}"
+                if threads and rows and rows[0]["device"] == "cpu" else ""),
              ""]  # fmt: skip
     if meta.get("statement"):
         lines += wrap.wrap("What this machine can show: " + meta["statement"])

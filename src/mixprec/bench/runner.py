@@ -93,12 +93,15 @@ class _Member:
         (self.times if timed else self.warm).append(seconds)
         return seconds
 
-    def close(self, device: str) -> None:
+    def close(self, device: str, collect: bool = True) -> None:
+        """Drop the model and optimizer; `collect` frees them now (one gc pass, which takes
+        long in a big heap: a block of members collects once, after the last)."""
         self.cleanup()
         self.step = self.cleanup = _closed
-        gc.collect()
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        if collect:
+            gc.collect()
+            if device == "cuda":
+                torch.cuda.empty_cache()
 
 
 def _closed() -> Any:  # pragma: no cover - a closed member is never stepped
@@ -116,9 +119,15 @@ class _Workload:
     flops: dict[int, float] = field(default_factory=dict)
 
     def flops_at(self, level: int) -> float:
+        """Counted matmul FLOPs of one step (for the table)."""
         if level not in self.flops:
             self.flops[level] = _flops(self.workload, self.ladder[level], self.device)
         return self.flops[level]
+
+    def cost(self, level: int) -> float:
+        """Estimated FLOPs (for planning: counting costs a slow forward per size)."""
+        estimate = self.workload.cost
+        return estimate(self.ladder[level].params) if estimate else self.flops_at(level)
 
     def build(self, variant: Variant, level: int) -> _Member:
         step, cleanup = variant.build(self.workload, self.ladder[level], self.device, self.dtype)
@@ -128,13 +137,13 @@ class _Workload:
 def _start_level(w: _Workload, first: int, rate: float, allow: float) -> int:
     """The largest size that could fit `allow` seconds per step even at the peak `rate`."""
     level = first
-    while level < len(w.ladder) - 1 and w.flops_at(level) / rate > allow:
+    while level < len(w.ladder) - 1 and w.cost(level) / rate > allow:
         level += 1
     return level
 
 
 def _fit(w: _Workload, variant: Variant, first: int, rate: float, allow: float,
-         keep: bool) -> tuple[int, _Member | None, float]:  # fmt: skip
+         keep: bool, give_up: float) -> tuple[int, _Member | None, float]:  # fmt: skip
     """Find the largest size from `first` down at which one step of `variant` takes <= `allow`.
 
     The step is measured, not predicted: the first step at a candidate size (two when the first
@@ -143,22 +152,23 @@ def _fit(w: _Workload, variant: Variant, first: int, rate: float, allow: float,
     the seconds per step.
     """
     level = _start_level(w, first, rate, allow)
+    last = len(w.ladder) - 1
     while True:
         member = w.build(variant, level)
         seconds = member.run(w.device, timed=False)
         if allow < seconds <= 4 * allow:
             seconds = member.run(w.device, timed=False)
-        last = level == len(w.ladder) - 1
-        if seconds <= allow or last:
+        if seconds <= allow or level == last:
             if not keep:
                 member.close(w.device)
                 member = None
             return level, member, seconds
-        member.close(w.device)
+        member.close(w.device, collect=w.device == "cuda")
         nxt = level + 1
-        while nxt < len(w.ladder) - 1 and seconds * w.flops_at(nxt) / w.flops_at(level) > allow:
+        while nxt < last and seconds * w.cost(nxt) / w.cost(level) > allow:
             nxt += 1
-        level = nxt
+        # Past `give_up` (heavy load makes every size look slow): stop, take the smallest.
+        level = last if time.perf_counter() > give_up else nxt
 
 
 def _steps(size: WorkloadSize, round_s: float, seconds: float, done: int) -> tuple[int, int]:
@@ -218,8 +228,8 @@ def _time_block(
             # keeping a median of at least _FLOOR_STEPS, rather than overrun the budget.
             if not fixed and done >= _FLOOR_STEPS and time.perf_counter() > end:
                 break
-        for m in members:
-            m.close(w.device)
+        for i, m in enumerate(members):
+            m.close(w.device, collect=i == len(members) - 1)
         return members, n_warm, done
     # One after another (CUDA): each variant alone on the device, so its peak memory is its own.
     members, n_warm, n_steps = [], 0, 0
@@ -333,7 +343,8 @@ def _run_workload(w: _Workload, variants: list[str], runnable: list[str],
         label(f"{name}: finding the size at which {cls[0].name} fits the budget")
         rate = peaks[cls[0].matmul_dtype(w.dtype)].flops_per_s
         first = level_fp if cls is low_class else 0  # 16-bit rows never larger than fp32's
-        level, kept, _ = _fit(w, cls[0], first, rate, allow, keep=interleave)
+        give_up = time.perf_counter() + share / 2  # past that, take the smallest size
+        level, kept, _ = _fit(w, cls[0], first, rate, allow, interleave, give_up)
         if kept is not None:
             probes[(cls[0].name, level)] = kept
         if cls is fp_class:
@@ -353,7 +364,7 @@ def _run_workload(w: _Workload, variants: list[str], runnable: list[str],
         timed.append((level, *_time_block(w, block, level, seconds, probes, steps, warmup,
                                           interleave, label)))  # fmt: skip
     for m in probes.values():  # a probe at a size no block used
-        m.close(w.device)
+        m.close(w.device, collect=False)
 
     rows = []
     for level, members, n_warm, n_steps in timed:

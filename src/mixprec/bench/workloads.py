@@ -52,6 +52,9 @@ class Workload:
     loss: Callable[[Any, tuple[torch.Tensor, ...]], torch.Tensor]
     optimizer: Callable[[nn.Module, str], torch.optim.Optimizer]
     reduced: tuple[WorkloadSize, ...] = ()
+    #: Estimated FLOPs of one training step at given sizes, for planning a time budget (cheap;
+    #: within a factor 1.5 of the count `torch.utils.flop_counter` gives, which the table uses).
+    cost: Callable[[dict[str, Any]], float] | None = None
 
     def size(self, full: bool, device: str) -> WorkloadSize:
         """Full (the seed's) sizes when asked or on a GPU, CPU sizes otherwise."""
@@ -84,6 +87,25 @@ def _gpt(p: dict[str, Any], device: str):
     return GPT(cfg).to(device), (tokens.to(device),)
 
 
+def _mlp_cost(p: dict[str, Any]) -> float:
+    # 3 forward, 3 weight-gradient and 2 input-gradient products (none for the input itself)
+    return 8 * 2.0 * p["batch"] * p["width"] ** 2
+
+
+def _resnet_cost(p: dict[str, Any]) -> float:
+    # 0.165 GFLOP per 32x32 image forward at width 64 (ResNet-50's 4.1 GMAC at 224x224 / 49),
+    # x3 with the backward; the deepest stages stop shrinking below 32x32, hence the floor.
+    spatial = max(p["image"] / 32, 0.6) ** 2
+    return 3 * 0.165e9 * (p.get("width", 64) / 64) ** 2 * p["batch"] * spatial
+
+
+def _gpt_cost(p: dict[str, Any]) -> float:
+    c = GPTConfig(**p["config"])
+    tokens = p["batch"] * c.block_size
+    weights = 12 * c.n_layer * c.n_embd**2 + c.vocab_size * c.n_embd
+    return 6.0 * weights * tokens + 12.0 * c.n_layer * tokens * c.block_size * c.n_embd
+
+
 def _lm_loss(logits: torch.Tensor, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
     tokens = batch[0]
     return F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten())
@@ -102,6 +124,7 @@ WORKLOADS: dict[str, Workload] = {
             lambda m, dev: torch.optim.SGD(m.parameters(), lr=1e-3),
             tuple(WorkloadSize(f"width {w}, batch {b}", 20, 3, {"width": w, "batch": b})
                   for w, b in ((512, 64), (512, 16), (256, 16), (128, 16), (128, 4))),
+            _mlp_cost,
         ),
         Workload(
             "resnet50", "ResNet-50 on CIFAR-sized images (SGD, momentum 0.9)",
@@ -114,6 +137,7 @@ WORKLOADS: dict[str, Workload] = {
                                6, 2, {"batch": b, "image": i, "width": w})
                   for w, b, i in ((64, 2, 32), (32, 2, 32), (16, 2, 32), (16, 2, 16),
                                   (8, 2, 16))),
+            _resnet_cost,
         ),
         Workload(
             "gpt2", "GPT-2-small-like decoder (AdamW)",
@@ -131,6 +155,7 @@ WORKLOADS: dict[str, Workload] = {
                   for n, d, t, b, v in ((2, 128, 64, 2, 1024), (2, 64, 64, 2, 512),
                                         (1, 64, 32, 2, 512), (1, 32, 32, 2, 256),
                                         (1, 32, 16, 2, 256))),
+            _gpt_cost,
         ),
     )
 }  # fmt: skip
