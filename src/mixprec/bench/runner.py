@@ -148,8 +148,8 @@ def _fit(w: _Workload, variant: Variant, first: int, rate: float, allow: float,
 
     The step is measured, not predicted: the first step at a candidate size (two when the first
     may have paid one-time costs) decides, and a size too slow sends the search down as many
-    sizes as the measured time says. Returns the size, the built member (None unless `keep`) and
-    the seconds per step.
+    sizes as the measured time says; after `give_up` (a time) it takes the smallest. Returns
+    the size, the built member (None unless `keep`) and the seconds per step.
     """
     level = _start_level(w, first, rate, allow)
     last = len(w.ladder) - 1
@@ -190,6 +190,7 @@ def _time_block(
     """
     size = w.ladder[level]
     where = f"{w.workload.name} @ {size.description}"
+    end = time.perf_counter() + seconds
 
     def member(v: Variant) -> _Member:
         return probes.pop((v.name, level), None) or w.build(v, level)
@@ -212,12 +213,11 @@ def _time_block(
             while len(m.warm) < pre:
                 m.run(w.device, timed=False)
         round_s = sum(m.warm[-1] for m in members if m.warm)
-        n_warm, n_steps = counts(round_s, seconds)
+        n_warm, n_steps = counts(round_s, end - time.perf_counter())
         for m in members:
             while len(m.warm) < n_warm:
                 m.run(w.device, timed=False)
         names = ", ".join(m.variant.name for m in members)
-        end = time.perf_counter() + seconds
         done = 0
         while done < n_steps:
             label(f"{where}: {names} in turns, step {done + 1}/{n_steps}")
@@ -238,7 +238,8 @@ def _time_block(
         m = member(v)
         while len(m.warm) < pre:
             m.run(w.device, timed=False)
-        n_warm, n_steps = counts(m.warm[-1] if m.warm else 0.0, seconds / len(block))
+        left = (end - time.perf_counter()) / (len(block) - len(members))
+        n_warm, n_steps = counts(m.warm[-1] if m.warm else 0.0, left)
         while len(m.warm) < n_warm:
             m.run(w.device, timed=False)
         if w.device == "cuda":
