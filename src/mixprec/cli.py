@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 import textwrap
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -251,7 +252,7 @@ class _Progress:
     def __init__(self, total: int, enabled: bool, name: str) -> None:
         from mixprec._optional import tqdm_or_none
 
-        self.enabled, self.name, self.done = enabled, name, 0
+        self.enabled, self.name, self.done, self.printed = enabled, name, 0, 0.0
         self.total = total
         self.bar = None
         if not enabled:
@@ -269,8 +270,11 @@ class _Progress:
         if total is not None:
             self.total = total
         self.done += done
-        if self.bar is None:
-            print(f"[{self.done}/{self.total}] {label}", file=sys.stderr)
+        if self.bar is None:  # plain lines: one per finished item, else at most one a second
+            now = time.monotonic()
+            if done or now - self.printed >= 1.0:
+                self.printed = now
+                print(f"[{self.done}/{self.total}] {label}", file=sys.stderr)
             return
         if total is not None:
             self.bar.total = total
