@@ -262,7 +262,7 @@ class _Progress:
             print(f"({name}: pip install 'mixprec[plots]' for a progress bar)", file=sys.stderr)
             return
         self.bar = tqdm(total=total, desc=name, file=sys.stderr, leave=False,
-                        bar_format="{desc}: {n_fmt}/{total_fmt} [{elapsed}] {postfix}")  # fmt: skip
+                        bar_format="{desc}: {n_fmt}/{total_fmt} [{elapsed}]{postfix}")  # fmt: skip
 
     def __call__(self, label: str, done: int = 0, total: int | None = None) -> None:
         if not self.enabled:
