@@ -58,7 +58,7 @@ def measure_peak(device: str, name: str, max_seconds: float = 1.5) -> Peak:
 
     Sizes grow from small to large; each is timed for about 0.05 s (best of the repetitions: a
     peak is what the kernel can do, and other processes only slow it down). A size whose single
-    product would take more than a quarter of `max_seconds` at the best rate so far is not
+    product would take more than a quarter of `max_seconds` at the previous size's rate is not
     tried, so a dtype that runs at 1 GFLOP/s costs about as much to measure as one at 1 TFLOP/s.
     Cost: up to `max_seconds`, plus one synchronisation per product on CUDA.
     """
@@ -66,29 +66,41 @@ def measure_peak(device: str, name: str, max_seconds: float = 1.5) -> Peak:
     sizes = _SIZES["cuda" if device == "cuda" else "cpu"]
     prev = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = name == "tf32"
-    best, best_n = 0.0, sizes[0]
+    best, best_n, last = 0.0, sizes[0], 0.0
+    warm = torch.ones(8, 8, device=device, dtype=dtype)
+    warm @ warm  # library start-up (cuBLAS handles, oneDNN), paid before any timing
+    _sync(device)
     start = time.perf_counter()
     try:
         for n in sizes:
             work = 2.0 * n**3
-            if best and work / best > max_seconds / 4:
+            # Predicted from the last size's rate, not the best: slow kernels get slower per
+            # FLOP as products outgrow the caches.
+            if last and work / last > max_seconds / 4:
                 break
             if time.perf_counter() - start > max_seconds:
                 break
             a = torch.randn(n, n, device=device, dtype=dtype)
             b = torch.randn(n, n, device=device, dtype=dtype)
-            a @ b  # warm-up: kernel selection, first-touch of the output
+            # The first product selects kernels and touches the output: not timed, unless it
+            # alone took long, when it is the (lower-bound) measurement of this size.
+            t0 = time.perf_counter()
+            a @ b
             _sync(device)
+            first = max(time.perf_counter() - t0, 1e-9)
+            last = work / first
             t_end = time.perf_counter() + 0.05
             reps = 0
-            while reps < 2 or (time.perf_counter() < t_end and reps < 50):
+            while first <= max_seconds / 8 and (
+                reps < 2 or (time.perf_counter() < t_end and reps < 50)
+            ):
                 t0 = time.perf_counter()
                 a @ b
                 _sync(device)
-                rate = work / max(time.perf_counter() - t0, 1e-9)
-                if rate > best:
-                    best, best_n = rate, n
+                last = max(last, work / max(time.perf_counter() - t0, 1e-9))
                 reps += 1
+            if last > best:
+                best, best_n = last, n
             del a, b
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev
