@@ -58,7 +58,7 @@ def test_rate_statement_says_what_the_machine_can_show():
     assert "4.5x fp32's rate" in fast and "can make the matmul-bound workloads faster" in fast
 
 
-def test_pct_of_peak_above_100_is_marked_and_explained():
+def test_pct_of_peak_above_100_and_a_busy_machine_are_explained():
     rows = [
         {"workload": "mlp", "size": "s", "variant": v, "device": "cpu", "dtype": "bf16",
          "status": "ok", "steps": 5, "warmup": 1, "ms_per_step": ms, "speedup_vs_fp32": 1.0,
@@ -71,6 +71,13 @@ def test_pct_of_peak_above_100_is_marked_and_explained():
     assert " 120.0%*" in text and "  40.0% " in text
     assert "* above 100%: these steps multiplied faster than any square product" in text
     assert "*" not in report.render_table(rows[:1], meta)
+    # A run that shared the CPUs with other processes says so.
+    quiet = {**meta, "load_average_before": 0.2, "load_average_after": 2.1, "cpu_count": 2}
+    assert "was busy" not in report.render_table(rows, quiet)
+    busy = {**quiet, "load_average_before": 3.9, "load_average_after": 5.8}
+    assert "busy while measuring (load average 3.9 before the run, 5.8 after, on 2 CPUs)" in (
+        report.render_table(rows, busy).replace("\n  ", " ")
+    )
 
 
 # ---------------------------------------------------------------------------- fitting

@@ -110,6 +110,16 @@ def _sizes_sentence(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str
     return f"{head}: {tail}"
 
 
+def _busy(meta: dict[str, Any]) -> bool:
+    """Whether other processes shared the CPUs: load before the run above half of them, or
+    after it above them all plus one (the run itself accounts for up to one per thread)."""
+    before, after, cpus = (meta.get(k) for k in ("load_average_before", "load_average_after",
+                                                  "cpu_count"))  # fmt: skip
+    if before is None or after is None or not cpus:
+        return False
+    return before > cpus / 2 or after > cpus + 1
+
+
 def render_table(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
     """The benchmark table: what this machine can show, a legend, then one block per workload
     and size (speed-ups compare rows of one block), with the skipped variants' reasons."""
@@ -122,6 +132,14 @@ def render_table(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
     if meta.get("statement"):
         lines += wrap.wrap("What this machine can show: " + meta["statement"])
     lines += wrap.wrap(_sizes_sentence(rows, meta))
+    if _busy(meta) and rows and rows[0]["device"] == "cpu":
+        before, after = meta["load_average_before"], meta["load_average_after"]
+        lines += wrap.wrap(
+            f"This machine was busy while measuring (load average {before:.1f} before the run, "
+            f"{after:.1f} after, on {meta['cpu_count']} CPUs): "
+            "other processes slowed every step, so absolute times are high and sizes shrank to "
+            "fit the budget; ratios within a block stay comparable, since its rows took "
+            "turns.")  # fmt: skip
     lines += [
         "",
         "ms/step: median time of one training step (forward, loss, backward, optimizer).",

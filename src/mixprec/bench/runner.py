@@ -22,6 +22,7 @@ another, so that each row's peak memory is its own.
 from __future__ import annotations
 
 import gc
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -210,7 +211,8 @@ def _time_block(
         for m in members:
             if len(m.warm) < pre:
                 label(f"{where}: warming up {m.variant.name}")
-            while len(m.warm) < pre:
+            # Past the deadline already (steps much slower than planned): one warm-up only.
+            while len(m.warm) < (pre if fixed or time.perf_counter() < end else min(pre, 1)):
                 m.run(w.device, timed=False)
         round_s = sum(m.warm[-1] for m in members if m.warm)
         n_warm, n_steps = counts(round_s, end - time.perf_counter())
@@ -286,6 +288,7 @@ def run(
     workloads, variants = list(workloads), list(variants)
     report: Progress = progress or (lambda label, done=0, total=None: None)
     clock = Budget(budget)
+    load = [_load()]
     interleave = device != "cuda" and not full
     runnable = [v for v in variants if VARIANTS[v].available(device, dtype)[0]]
     total = 1 + len(workloads) * len(variants)
@@ -310,7 +313,14 @@ def run(
         report(f"{wname}: done", len(new_rows), total)
         rows.extend(new_rows)
     low = peaks[dtype_name(dtype)]
+    load.append(_load())
     info: dict[str, Any] = {
+        # The 1-minute load average before and after (None where the OS does not say): the
+        # run itself adds up to its thread count, so much more means other processes shared
+        # the CPUs and slowed every step.
+        "load_average_before": load[0],
+        "load_average_after": load[1],
+        "cpu_count": os.cpu_count(),
         "budget_s": budget,
         "elapsed_s": clock.elapsed,
         "statement": statement,
@@ -322,6 +332,13 @@ def run(
         info[f"peak_gflops_{n}"] = p.gflops
         info[f"peak_matmul_n_{n}"] = p.n
     return rows, info
+
+
+def _load() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):  # not on every OS
+        return None
 
 
 def _run_workload(w: _Workload, variants: list[str], runnable: list[str],
