@@ -199,7 +199,9 @@ def _title(meta: dict[str, Any], width_in: float, fontsize: float) -> str:
     rate = (f"; {meta['low_dtype']} matmuls at "
             + (f"{ratio:.1f}x" if ratio >= 0.5 else f"1/{1 / ratio:.0f} of")
             + " fp32's rate here" if ratio and meta.get("low_dtype") else "")  # fmt: skip
-    text = (f"mixprec bench: {meta['device_name']}, torch {meta['torch']}{rate} "
+    busy = (f"; CPUs busy with other processes (load {meta['load_average_before']:.1f}): "
+            f"times inflated" if _busy(meta) else "")  # fmt: skip
+    text = (f"mixprec bench: {meta['device_name']}, torch {meta['torch']}{rate}{busy} "
             f"(bar labels: speed-up over fp32 at the same size)")  # fmt: skip
     chars = max(int(width_in * 72 / (fontsize * 0.6)), 20)  # an average glyph is ~0.6 em wide
     return "\n".join(textwrap.wrap(text, chars))
