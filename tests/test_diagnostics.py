@@ -322,7 +322,7 @@ def test_grad_underflow_matches_fp16_rounding():
     g[:5] = 0
     model.weight.grad = g
     model.bias.grad = torch.zeros(100)
-    report = mixprec.grad_underflow(model, scale=1.0)
+    report = mixprec.grad_underflow(model, scale=1.0, dtype=torch.float16)
     row = next(r for r in report.rows if r["param"] == "weight")
     half, half2 = g.half(), (2 * g).half()
     n = g.numel()
@@ -344,10 +344,10 @@ def test_grad_underflow_scale_and_ceiling():
     model = nn.Linear(2, 1)
     model.weight.grad = torch.tensor([[2.0**-20, 40000.0]])
     model.bias.grad = torch.tensor([1.0])
-    at1 = mixprec.grad_underflow(model)
+    at1 = mixprec.grad_underflow(model, dtype=torch.float16)
     assert at1.total()["overflow_2x"]  # 80000 > 65504
     assert "would overflow" in str(at1)
-    at_small = mixprec.grad_underflow(model, scale=2.0**-10)
+    at_small = mixprec.grad_underflow(model, scale=2.0**-10, dtype=torch.float16)
     w = at_small.rows[0]
     assert w["flushed"] == 0.5  # 2^-30 flushes; 39 stays
     with pytest.raises(MixprecError, match="scale"):
@@ -489,3 +489,129 @@ def test_advice_tells_range_problems_from_invalid_ops_and_scaler_probing():
     grad = NonFiniteEvent("fc", "param-grad", "mm", "inf", 0, 6e4, "fc.weight")
     assert "as designed" in advice(grad, 3, 300)
     assert "cannot settle" in advice(grad, 250, 300)
+
+
+# ------------------------------------------------------------------ first-run fixes (issue 13)
+
+
+class _Gpt2Attn(nn.Module):
+    """Hugging Face GPT-2's attention layout: `c_attn` (qkv) then `c_proj`."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.c_attn, self.c_proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.c_proj(self.c_attn(x)[..., : x.shape[-1]])
+
+
+class _Gpt2(nn.Module):
+    def __init__(self, layers: int = 12) -> None:
+        super().__init__()
+        self.transformer = nn.Module()
+        self.transformer.h = nn.ModuleList(nn.Module() for _ in range(layers))
+        for block in self.transformer.h:
+            block.attn = _Gpt2Attn()
+
+    def forward(self, x):
+        for block in self.transformer.h:
+            x = block.attn(x)
+        return x
+
+
+def _table_modules(text: str) -> list[str]:
+    """The module column of each row of an explain table."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("#  module"))
+    rows = [line for line in lines[start + 1 :] if line[:4].strip().isdigit()]
+    return [line.split()[1] for line in rows]
+
+
+def test_explain_never_prints_two_modules_alike():
+    report = mixprec.explain(_Gpt2(), torch.randn(2, 16), device_type="cpu")
+    shown = _table_modules(str(report))
+    assert "transformer.h.0.attn.c_attn" in shown and "transformer.h.0.attn.c_proj" in shown
+    assert "transformer.h.11.attn.c_proj" in shown
+    # Names longer than the column lose their middle, keep both ends, and stay distinct.
+    model = nn.Sequential()
+    for tag in ("left", "right"):
+        inner = nn.Sequential(nn.Linear(16, 16))
+        model.add_module(f"encoder_with_a_very_long_name_{tag}_branch_then_more_words", inner)
+    report = mixprec.explain(model, torch.randn(2, 16), device_type="cpu")
+    shown = _table_modules(str(report))
+    assert len(shown) == 2 and shown[0] != shown[1]
+    assert all(s.startswith("encoder") and s.endswith("_more_words.0") for s in shown)
+
+
+def test_explain_footer_points_python_users_at_the_python_call():
+    text = str(mixprec.explain(_stack(), torch.randn(2, 16), device_type="cpu"))
+    assert "report.format(all_calls=True)" in text
+    custom = mixprec.explain(_stack(), torch.randn(2, 16), device_type="cpu").format(
+        all_hint="`mixprec explain mlp --all` lists them"
+    )
+    assert "--all` lists them" in custom and "report.format" not in custom
+
+
+def test_explain_for_a_device_the_model_is_not_on_says_so_and_how_to_fix_it():
+    from mixprec.diagnostics.explain import ExplainDeviceError
+
+    with pytest.raises(ExplainDeviceError) as info:
+        mixprec.explain(_stack(), torch.randn(2, 16), device_type="cuda")
+    message = str(info.value)
+    assert "the model's parameters and the inputs are on cpu" in message
+    assert "a cuda region changes only ops on cuda tensors" in message
+    assert "device_type='cpu'" in message
+    assert isinstance(info.value, ValueError)
+
+
+def test_grad_underflow_uses_the_dtype_the_model_trains_in():
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    for level in ("O1", "O2"):
+        model, opt = mixprec.initialize(
+            _stack(), torch.optim.SGD(_stack().parameters(), lr=0.1), level, dtype="bf16"
+        )
+        with mixprec.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+            scaled.backward()
+        report = mixprec.grad_underflow(model)
+        assert report.dtype == torch.bfloat16, level
+        text = str(report)
+        assert text.startswith("gradient underflow in bf16 (the model's") and "float16" not in text
+        assert "bf16 runs need no loss scale: scale 1 is the normal case" in text
+    plain = nn.Linear(4, 4)  # a plain fp32 model on the CPU: the CPU's default, said so
+    plain(torch.randn(2, 4)).sum().backward()
+    report = mixprec.grad_underflow(plain)
+    assert report.dtype == torch.bfloat16 and "the CPU default" in report.dtype_reason
+    given = mixprec.grad_underflow(plain, dtype=torch.float16)
+    assert given.dtype == torch.float16 and "before scaler.unscale_()" in str(given)
+    # bf16's range, not fp16's: 1e-20 flushes in fp16 but is a normal bf16 number.
+    plain.weight.grad.fill_(1e-20)
+    assert mixprec.grad_underflow(plain).rows[0]["flushed"] == 0.0
+    assert mixprec.grad_underflow(plain, dtype=torch.float16).rows[0]["flushed"] == 1.0
+
+
+def test_scale_history_plot_after_one_update_shows_a_point_on_sensible_axes():
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    model = nn.Linear(4, 1)
+    scaler = mixprec.GradScaler("cpu", init_scale=2.0**10)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler.scale(model(torch.ones(1, 4)).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    history = mixprec.scale_history(scaler)
+    fig = history.figure()
+    try:
+        ax = fig.axes[0]
+        lo, hi = ax.get_xlim()
+        assert lo <= -0.5 and hi >= 0.5  # one update either side, not -0.04..0.04
+        assert all(float(t).is_integer() for t in ax.get_xticks() if lo <= t <= hi)
+        ylo, yhi = ax.get_ylim()
+        assert ylo <= 2.0**9 and yhi >= 2.0**11
+        marked = [line for line in ax.lines if line.get_marker() not in (None, "None", "")]
+        assert marked and list(marked[0].get_xdata()) == [0]
+    finally:
+        plt.close(fig)
+    with pytest.raises(MixprecError, match="no updates yet"):
+        mixprec.scale_history(mixprec.GradScaler("cpu")).figure()

@@ -63,6 +63,21 @@ def test_describe_explains_every_option():
     assert by_name["min_loss_scale"].reason == "set by the caller"
 
 
+def test_describe_defaults_to_this_machines_device_and_says_why(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    text = str(mixprec.describe("O2"))
+    assert (
+        "Resolved for cpu / bf16 (no CUDA device on this machine; pass device_type='cuda'" in text
+    )
+    assert "loss_scale             = 1.0" in text  # bf16: no loss scaling, not fp16's dynamic
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gpu = mixprec.describe("O2")
+    assert (gpu.device_type, gpu.dtype, gpu.loss_scale) == ("cuda", torch.float16, "dynamic")
+    assert "Resolved for cuda / fp16 (this machine's GPU" in str(gpu)
+    # An explicit device type is taken as given, without a note.
+    assert "Resolved for cuda / fp16:" in str(mixprec.describe("O2", device_type="cuda"))
+
+
 def test_presets_match_apex_table():
     rows = {}
     for level in ("O0", "O1", "O2", "O3"):

@@ -500,3 +500,54 @@ def test_on_skip_reports_replayed_overflows():
     for x, y in _batches(12, overflows={2, 9}):
         step(x, y)
     assert [e.step for e in events] == [2, 9]
+
+
+# ------------------------------------------------------------------ a batch that does not fit
+
+
+def _frames(tb) -> list[str]:
+    out = []
+    while tb is not None:
+        out.append(tb.tb_frame.f_code.co_filename)
+        tb = tb.tb_next
+    return out
+
+
+def test_a_batch_that_does_not_fit_gives_a_short_error_naming_element_shape_and_cause():
+    model = _model()
+    step = mixprec.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(mixprec.TrainStepError) as info:
+        step(torch.randn(16, 5), torch.randint(0, 4, (16,)))  # the model takes 8 features
+    err = info.value
+    message = str(err)
+    assert message.startswith("batch element 0 (shape (16, 5), float32) does not fit the model")
+    assert "module '0' (Linear(in_features=8, out_features=32, bias=True)) raised RuntimeError" in (
+        message
+    )
+    assert "mat1 and mat2 shapes cannot be multiplied (16x5 and 8x32)" in message
+    assert "batch[1] (target): shape (16,), int64" in message
+    # The model's own error is chained; neither traceback walks through mixprec's machinery.
+    assert isinstance(err.__cause__, RuntimeError)
+    mixprec_dir = str(__import__("pathlib").Path(mixprec.__file__).parent)
+    assert not any(f.startswith(mixprec_dir) for f in _frames(err.__cause__.__traceback__))
+    assert len(_frames(err.__traceback__)) <= 2  # this test's line and TrainStep.__call__
+    # Nothing changed, and the next good batch trains.
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    loss = step(torch.randn(16, 8), torch.randint(0, 4, (16,)))
+    assert torch.isfinite(loss)
+
+
+def test_a_target_that_does_not_fit_names_the_models_output():
+    model = _model()
+    step = mixprec.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy,
+                             opt_level="O2")  # fmt: skip
+    with pytest.raises(mixprec.TrainStepError) as info:
+        step(torch.randn(16, 8), torch.randint(0, 4, (15,)))
+    message = str(info.value)
+    assert message.startswith("the target does not fit the model's output: loss_fn raised")
+    assert "The model's output: shape (16, 4), float32" in message
+    assert "batch[1] (target): shape (15,), int64" in message
+    with pytest.raises(mixprec.TrainStepError, match="compute_loss raised ValueError"):
+        mixprec.TrainStep(model, step.optimizer, compute_loss=lambda m, x, y: F.cross_entropy(
+            m(x), y))(torch.randn(16, 8), torch.randint(0, 4, (15,)))  # fmt: skip

@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable, Sequence
+import textwrap
+import time
+from collections.abc import Sequence
 from typing import Any
 
 from mixprec._version import __version__
@@ -18,7 +20,7 @@ __all__ = ["main"]
 
 _EPILOG = """\
 examples:
-  mixprec bench                          # every workload at CPU sizes (or the seeds' on a GPU)
+  mixprec bench                          # every workload; fits 60 s on a CPU, seeds' sizes on a GPU
   mixprec bench mlp --full --json r.json --plot r.png
   mixprec train                          # fp32 vs O1 vs O2 on scikit-learn's digits
   mixprec train --data cifar10:~/data/cifar-10-batches-py --model resnet50 --epochs 30
@@ -34,6 +36,7 @@ class CliError(Exception):
 
 
 def _parser() -> argparse.ArgumentParser:
+    from mixprec.bench.budget import DEFAULT_CPU_BUDGET_S
     from mixprec.bench.train import MODELS, MODES
     from mixprec.bench.variants import VARIANTS
     from mixprec.bench.workloads import WORKLOADS
@@ -55,16 +58,22 @@ def _parser() -> argparse.ArgumentParser:
         help="time fp32, torch.amp and mixprec's levels side by side on the classic workloads",
         description="Time one training step of each workload under each variant, side by side "
         "in one run: ms/step (median after warm-up), speed-up over fp32 and torch.amp, peak GPU "
-        "memory, final loss and the share of the device's matmul peak. Without --full on a CPU "
-        "the workloads shrink so that the whole run takes about a minute; on a GPU they run at "
-        "the seeds' sizes. Variants that cannot run here are listed with the reason.",
+        "memory, final loss and the share of the device's matmul peak. It first measures the "
+        "device's fp32 and 16-bit matmul rates and says what this machine can show. On a CPU "
+        "the run fits a time budget (--budget, default "
+        f"{DEFAULT_CPU_BUDGET_S:g} s of measuring, about a minute and a half with start-up): "
+        "where the default sizes do not fit (a CPU without fast bf16 runs it at 1/100 of fp32's "
+        "rate) the workloads shrink and their rows are marked 'reduced', each next to an fp32 "
+        "row at the same size. On a GPU, and with --full, the seeds' sizes run in full. "
+        "Variants that cannot run here are listed with the reason.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="workloads:\n" + "\n".join(
             f"  {w.name:9s} {w.title}\n"
             f"            CPU:        {w.small.description}, "
             f"{w.small.warmup}+{w.small.steps} steps\n"
             f"            GPU/--full: {w.full.description}, "
-            f"{w.full.warmup}+{w.full.steps} steps"
+            f"{w.full.warmup}+{w.full.steps} steps\n"
+            f"            reduced:    down to {w.reduced[-1].description}"
             for w in WORKLOADS.values()
         ) + "\nvariants:\n" + "\n".join(f"  {v.name:10s} {v.title}" for v in VARIANTS.values()),
     )  # fmt: skip
@@ -76,10 +85,18 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--variants", default=",".join(VARIANTS),
                        help="comma-separated, from: " + ", ".join(VARIANTS))  # fmt: skip
     bench.add_argument(
+        "--budget",
+        default="auto",
+        metavar="SECONDS",
+        help=f"seconds the measuring may take; sizes and steps shrink to fit (default 'auto': "
+        f"{DEFAULT_CPU_BUDGET_S:g} on a CPU without --full, none on a GPU; 'none': the default "
+        f"sizes and steps, however long)",
+    )
+    bench.add_argument(
         "--steps",
         type=int,
         default=None,
-        help="timed steps per variant (default: the workload's, 5-20)",
+        help="timed steps per variant (default: the workload's, 5-20, fewer to fit a budget)",
     )
     bench.add_argument(
         "--warmup",
@@ -211,6 +228,26 @@ def _dtype(name: str, device: str) -> Any:
     return parse_dtype(name, low_only=True)
 
 
+def _budget(value: str, device: str, full: bool) -> float | None:
+    """Seconds for `mixprec bench`: a CPU run without --full fits the default; else none."""
+    from mixprec.bench.budget import DEFAULT_CPU_BUDGET_S
+
+    if value == "auto":
+        return DEFAULT_CPU_BUDGET_S if device == "cpu" and not full else None
+    if value == "none":
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise CliError(
+            f"--budget {value!r} is not a number of seconds > 0. Valid: a number such as 60, "
+            "'auto' (the default) or 'none' (the default sizes and steps, however long)."
+        )
+    return seconds
+
+
 def _choices(value: str, valid: Sequence[str], flag: str) -> list[str]:
     names = [v.strip() for v in value.split(",") if v.strip()]
     bad = [n for n in names if n not in valid]
@@ -222,28 +259,57 @@ def _choices(value: str, valid: Sequence[str], flag: str) -> list[str]:
     return names
 
 
-def _progress(total: int, enabled: bool, label: str) -> tuple[Callable[[str], None], Callable]:
-    """A progress bar (tqdm if installed, one line per item otherwise) and its closer."""
-    if not enabled:
-        return (lambda _msg: None), (lambda: None)
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        print(f"({label}: pip install 'mixprec[plots]' for a progress bar)", file=sys.stderr)
-        count = [0]
+class _Progress:
+    """A progress bar that says what runs now (tqdm if installed, one line per item otherwise).
 
-        def text(msg: str) -> None:
-            count[0] += 1
-            print(f"[{count[0]}/{total}] {msg}", file=sys.stderr)
+    Call it with a label when something starts; `done` counts items finished, `total` re-sets
+    the number expected. Labels longer than the terminal line are cut at the end.
+    """
 
-        return text, (lambda: None)
-    bar = tqdm(total=total, desc=label, file=sys.stderr, leave=False)
+    def __init__(self, total: int, enabled: bool, name: str) -> None:
+        from mixprec._optional import tqdm_or_none
 
-    def update(msg: str) -> None:
-        bar.set_postfix_str(msg)
-        bar.update(1)
+        self.enabled, self.name, self.done, self.printed = enabled, name, 0, 0.0
+        self.total = total
+        self.bar = None
+        if not enabled:
+            return
+        tqdm = tqdm_or_none()
+        if tqdm is None:
+            print(f"({name}: pip install 'mixprec[plots]' for a progress bar)", file=sys.stderr)
+            return
+        self.bar = tqdm(total=total, desc=name, file=sys.stderr, leave=False,
+                        bar_format="{desc}: {n_fmt}/{total_fmt} [{elapsed}]{postfix}")  # fmt: skip
 
-    return update, bar.close
+    def __call__(self, label: str, done: int = 0, total: int | None = None) -> None:
+        if not self.enabled:
+            return
+        if total is not None:
+            self.total = total
+        self.done += done
+        if self.bar is None:  # plain lines: one per finished item, else at most one a second
+            now = time.monotonic()
+            if done or now - self.printed >= 1.0:
+                self.printed = now
+                print(f"[{self.done}/{self.total}] {label}", file=sys.stderr)
+            return
+        if total is not None:
+            self.bar.total = total
+        self.bar.update(done)
+        self.bar.set_postfix_str(textwrap.shorten(label, 90, placeholder="..."))
+
+    def note(self, text: str) -> None:
+        """A line to keep on screen above the bar (what the user should know now)."""
+        if not self.enabled:
+            return
+        if self.bar is None:
+            print(text, file=sys.stderr)
+        else:
+            self.bar.write(text, file=sys.stderr)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _check_nproc(args: argparse.Namespace, device: str) -> None:
@@ -331,21 +397,23 @@ def _bench(args: argparse.Namespace) -> int:
     for flag, value in (("--steps", args.steps), ("--warmup", args.warmup)):
         if value is not None and value < (1 if flag == "--steps" else 0):
             raise CliError(f"{flag} must be {'>= 1' if flag == '--steps' else '>= 0'}.")
+    budget = _budget(args.budget, device, args.full)
     launched = _launch(args)
     if launched is not None:
         return launched
     with _join(device) as ctx:
-        show = not args.no_progress and ctx.is_main
-        tick, close = _progress(len(workloads) * len(variants), show, "bench")
+        progress = _Progress(1 + len(workloads) * len(variants),
+                             not args.no_progress and ctx.is_main, "bench")  # fmt: skip
         try:
-            rows = runner.run(workloads, variants, device=device, dtype=dtype, full=args.full,
-                              steps=args.steps, warmup=args.warmup, progress=tick,
-                              dist=ctx)  # fmt: skip
+            rows, info = runner.run(workloads, variants, device=device, dtype=dtype,
+                                    full=args.full, steps=args.steps, warmup=args.warmup,
+                                    budget=budget, progress=progress, note=progress.note,
+                                    dist=ctx)  # fmt: skip
         finally:
-            close()
+            progress.close()
     if not ctx.is_main:
         return 0
-    meta = {**report.metadata(device), "world_size": ctx.world_size}
+    meta = {**report.metadata(device), **info, "world_size": ctx.world_size}
     print(report.render_table(rows, meta))
     if args.json:
         report.write_json(args.json, rows, meta)
@@ -410,15 +478,15 @@ def _train(args: argparse.Namespace) -> int:
             ranks = f"; {ctx.world_size} ranks ({ctx.backend})" if ctx.distributed else ""
             print(f"{data.describe()}; model {args.model}; {device} {dtype_name(dtype)}; modes "
                   f"{', '.join(modes)}; {args.epochs} epochs; seeds {seeds}{ranks}")  # fmt: skip
-        show = not args.no_progress and ctx.is_main
-        tick, close = _progress(len(modes) * len(seeds) * args.epochs, show, "train")
+        progress = _Progress(len(modes) * len(seeds) * args.epochs,
+                             not args.no_progress and ctx.is_main, "train")  # fmt: skip
         try:
             records = train.train(data, model=args.model, modes=modes, epochs=args.epochs,
                                   batch_size=args.batch_size, device=device, dtype=dtype,
-                                  seeds=seeds, tick=lambda: tick(""), dist=ctx,
+                                  seeds=seeds, tick=progress, dist=ctx,
                                   tensorboard=args.tensorboard)  # fmt: skip
         finally:
-            close()
+            progress.close()
     if not ctx.is_main:
         return 0
     summary = train.summarize(records)
@@ -487,7 +555,9 @@ def _explain(args: argparse.Namespace) -> int:
     result = explain(model, batch[0][: args.batch], device_type=device, dtype=dtype,
                      policy=args.policy or None, backward=args.backward)  # fmt: skip
     print(f"{workload.title}, batch {args.batch}")
-    print(result.format(all_calls=args.all))
+    command = " ".join(["mixprec", *sys.argv[1:]]) if sys.argv[1:2] == ["explain"] else (
+        f"mixprec explain {args.model}")  # fmt: skip
+    print(result.format(all_calls=args.all, all_hint=f"`{command} --all` lists them"))
     if args.json:
         with open(args.json, "w") as f:
             f.write(result.to_json())

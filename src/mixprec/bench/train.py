@@ -19,10 +19,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
+from mixprec._optional import require_matplotlib
 from mixprec.bench.data import Dataset
 from mixprec.bench.models import ResNet50, SmallCNN
+from mixprec.dtypes import dtype_name
 
-__all__ = ["MODELS", "MODES", "summarize", "train"]
+__all__ = ["MODELS", "MODES", "figure", "plot", "summarize", "train"]
 
 MODES = ("fp32", "torch.amp", "O1", "O2", "O3")
 MODELS = ("cnn", "resnet50")
@@ -68,7 +70,7 @@ def _run(
     batch: int,
     device: str,
     dtype: torch.dtype,
-    tick: Callable[[], None],
+    tick: Callable[[str, int], None],
     dist: Any = None,
     tensorboard: str | None = None,
 ) -> list[dict[str, Any]]:
@@ -134,6 +136,8 @@ def _run(
     curve: list[dict[str, Any]] = []
     steps, clock = 0, 0.0
     for epoch in range(1, epochs + 1):
+        what = f"{mode} ({dtype_name(dtype) if mode != 'fp32' else 'fp32'}), seed {seed}"
+        tick(f"{what}: epoch {epoch}/{epochs}", 0)
         order = torch.randperm(len(data.train_x), generator=g)
         losses = []
         sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -164,7 +168,7 @@ def _run(
             for key in ("train_loss", "test_loss", "test_accuracy"):
                 writer.writer.add_scalar(key.replace("_", "/", 1), curve[-1][key], steps)
             writer.writer.flush()
-        tick()
+        tick(f"{what}: epoch {epoch}/{epochs}, test accuracy {100 * test_acc:.1f}%", 1)
     if writer is not None:
         writer.close()
     return curve
@@ -209,11 +213,14 @@ def train(
     device: str,
     dtype: torch.dtype,
     seeds: Sequence[int],
-    tick: Callable[[], None] = lambda: None,
+    tick: Callable[[str, int], None] = lambda label, done: None,
     dist: Any = None,
     tensorboard: str | None = None,
 ) -> list[dict[str, Any]]:
     """Train every (mode, seed); return the per-epoch records of all runs.
+
+    `tick(label, done)` is told what trains now (mode, dtype, seed, epoch) when an epoch starts
+    (``done=0``) and when it ends (``done=1``).
 
     `dist` (a `mixprec.distributed.launch.DistContext`): train data-parallel under DDP, each
     rank on its contiguous share of every global batch of `batch_size` (the opt levels are
@@ -258,12 +265,11 @@ def summarize(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def plot(path: str, records: Sequence[dict[str, Any]], title: str) -> None:
-    """One PNG: loss and accuracy against steps and against wall time, a line per mode."""
-    from mixprec.bench.report import require_matplotlib
-
+def figure(records: Sequence[dict[str, Any]], title: str) -> Any:
+    """Loss and test accuracy (in percent, as the summary table prints it) against training
+    steps and wall time, a line per mode (the band: min-max over seeds). A matplotlib Figure."""
     plt = require_matplotlib()
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharey="row")
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharey="row", layout="constrained")
     modes = list(dict.fromkeys(r["mode"] for r in records))
     for mode in modes:
         mine = [r for r in records if r["mode"] == mode]
@@ -274,21 +280,27 @@ def plot(path: str, records: Sequence[dict[str, Any]], title: str) -> None:
 
         steps = [mean("step", e) for e in epochs]
         times = [mean("time_s", e) for e in epochs]
-        for row, key in ((0, "train_loss"), (1, "test_accuracy")):
-            ys = [mean(key, e) for e in epochs]
-            lo = [min(r[key] for r in mine if r["epoch"] == e) for e in epochs]
-            hi = [max(r[key] for r in mine if r["epoch"] == e) for e in epochs]
+        for row, key, unit in ((0, "train_loss", 1.0), (1, "test_accuracy", 100.0)):
+            ys = [unit * mean(key, e) for e in epochs]
+            lo = [unit * min(r[key] for r in mine if r["epoch"] == e) for e in epochs]
+            hi = [unit * max(r[key] for r in mine if r["epoch"] == e) for e in epochs]
             for col, xs in ((0, steps), (1, times)):
                 (line,) = axes[row][col].plot(xs, ys, marker="o", ms=3, label=mode)
                 axes[row][col].fill_between(xs, lo, hi, alpha=0.15, color=line.get_color())
     axes[0][0].set_ylabel("train loss")
-    axes[1][0].set_ylabel("test accuracy")
+    axes[1][0].set_ylabel("test accuracy (%)")
     axes[1][0].set_xlabel("training steps")
     axes[1][1].set_xlabel("training wall time (s)")
     axes[0][0].legend()
     for ax in axes.flat:
         ax.grid(alpha=0.3)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    return fig
+
+
+def plot(path: str, records: Sequence[dict[str, Any]], title: str) -> None:
+    """Write `figure` as a PNG at `path`."""
+    plt = require_matplotlib()
+    fig = figure(records, title)
     fig.savefig(path, dpi=120)
     plt.close(fig)

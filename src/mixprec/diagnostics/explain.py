@@ -43,7 +43,7 @@ from mixprec.policy.policy import Policy
 if TYPE_CHECKING:
     from mixprec.graph.explain import CompiledReport
 
-__all__ = ["ExplainReport", "explain"]
+__all__ = ["ExplainDeviceError", "ExplainReport", "explain"]
 
 _LOW_NAMES = (dtype_name(torch.float16), dtype_name(torch.bfloat16))
 _FP32_NAME = dtype_name(torch.float32)
@@ -359,8 +359,21 @@ class ExplainReport:
     def __str__(self) -> str:
         return self.format()
 
-    def format(self, *, all_calls: bool = False, width: int = 48) -> str:
-        """A readable table. Pass-through calls without casts are hidden unless `all_calls`."""
+    def format(
+        self,
+        *,
+        all_calls: bool = False,
+        width: int = 48,
+        all_hint: str = "report.format(all_calls=True) or report.rows lists them",
+    ) -> str:
+        """A readable table. Pass-through calls without casts are hidden unless `all_calls`.
+
+        Module and op names are never cut so that two rows read alike: their columns widen to
+        the longest name (up to 40 characters), and a longer name loses characters from its
+        middle, keeping its first and last parts (where ``...attn.c_attn`` and ``...attn.c_proj``
+        differ). `width` caps the reason column; `all_hint` tells how to see hidden calls (the
+        command line passes ``--all``).
+        """
         s = self.summary()
         lines = [
             f"mixprec.explain: {s['device_type']} {s['dtype']}, policy {s['policy']}",
@@ -373,23 +386,23 @@ class ExplainReport:
             if share is not None:
                 lines.append(f"matmul/conv FLOPs in low precision ({phase}): {share:.1%}")
         lines.append("")
+        shown = [r for r in self.rows
+                 if all_calls or r["category"] != "passthrough" or r["cast_detail"]]  # fmt: skip
+        hidden = len(self.rows) - len(shown)
+        modules, mw = _column([r["module"] for r in shown], "module", 40)
+        ops, ow = _column([r["op"] for r in shown], "op", 30)
         flow = "in -> ran in -> out"
         cat = "category"
-        lines.append(f"{'#':>4}  {'module':<24} {'op':<22} {cat:<11} {flow:<30} casts  reason")
-        hidden = 0
-        for r in self.rows:
-            if not all_calls and r["category"] == "passthrough" and not r["cast_detail"]:
-                hidden += 1
-                continue
+        lines.append(f"{'#':>4}  {'module':<{mw}} {'op':<{ow}} {cat:<11} {flow:<30} casts  reason")
+        for r in shown:
             flow = f"{_short(r['inputs'])} -> {_short(r['ran_in'])} -> {_short(r['outputs'])}"
             casts = str(r["casts"]) + ("+c" if r["cached_casts"] else "")
             lines.append(
-                f"{r['index']:>4}  {_clip(r['module'], 24):<24} {_clip(r['op'], 22):<22} "
+                f"{r['index']:>4}  {modules[r['module']]:<{mw}} {ops[r['op']]:<{ow}} "
                 f"{r['category']:<11} {_clip(flow, 30):<30} {casts:>5}  {_clip(r['reason'], width)}"
             )
         if hidden:
-            lines.append(f"({hidden} pass-through calls without casts not shown; "
-                         "report.format(all_calls=True) or report.rows lists them)")  # fmt: skip
+            lines.append(f"({hidden} pass-through calls without casts not shown; {all_hint})")
         if self.ping_pong:
             lines.append("")
             lines.append("ping-pong (low -> fp32 -> low; each costs two casts):")
@@ -435,12 +448,63 @@ def _clip(text: str, n: int) -> str:
     return text if len(text) <= n else text[: n - 1] + "~"
 
 
+def _elide(text: str, n: int) -> str:
+    """`text` in at most `n` characters: the middle gives way to ``~``, the start and the end
+    stay (a module path differs from its siblings at its end: ``attn.c_attn``/``attn.c_proj``)."""
+    if len(text) <= n:
+        return text
+    head = max((n - 1) // 3, 1)
+    return text[:head] + "~" + text[len(text) - (n - 1 - head) :]
+
+
+def _column(names: list[str], title: str, cap: int) -> tuple[dict[str, str], int]:
+    """Display form of each name and the column width: as wide as the longest name up to `cap`,
+    wider still where eliding would make two different names read alike."""
+    distinct = list(dict.fromkeys(names))
+    width = max([len(title), *map(len, distinct)])
+    n = min(width, cap)
+    while True:
+        shown = {name: _elide(name, n) for name in distinct}
+        if n >= width or len(set(shown.values())) == len(distinct):
+            return shown, n
+        n += 1
+
+
 def _bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"  # pragma: no cover
+
+
+class ExplainDeviceError(MixprecError, ValueError):
+    """`explain` was asked for a device type on which none of the model's tensors live."""
+
+
+def _check_devices(model: torch.nn.Module, inputs: Any, device_type: str) -> None:
+    """Refuse a region for a device the model and inputs are not on: it would change nothing,
+    and the report would be a table of pass-through calls that looks like an answer."""
+    found = {t.device.type for t in [*model.parameters(), *model.buffers(), *_tensors(inputs)]}
+    if not found or device_type in found:
+        return
+    where = " and ".join(sorted(found))
+    fix = (
+        f"Move both there (model.to({device_type!r}) and the inputs' .to({device_type!r})), or "
+        f"explain for where they are: device_type={sorted(found)[0]!r}."
+    )
+    if device_type == "cuda" and not torch.cuda.is_available():
+        fix = (
+            "This machine has no CUDA device: explain for where they are, device_type="
+            f"{sorted(found)[0]!r}; to read the CUDA policy without a GPU, run "
+            "`mixprec policy --device cuda` or call mixprec.Policy().decide(op, "
+            "device_type='cuda')."
+        )
+    raise ExplainDeviceError(
+        f"explain(device_type={device_type!r}): the model's parameters and the inputs are on "
+        f"{where}, and a {device_type} region changes only ops on {device_type} tensors: every "
+        f"call would pass through and the report would be empty. {fix}"
+    )
 
 
 def explain(
@@ -472,6 +536,10 @@ def explain(
         An :class:`ExplainReport`: ``str(report)`` is a table, ``report.rows`` the calls,
         ``report.to_json()`` everything.
 
+    Raises:
+        ExplainDeviceError: `device_type` names a device none of the model's parameters and
+            inputs are on (the region would change nothing); the message says how to fix it.
+
     Cost: one forward (and backward) at several times the normal Python cost per call, plus
     the memory of keeping each output alive until the report is built (to attribute casts to
     the calls that produced their inputs). Values are computed exactly as under autocast.
@@ -494,6 +562,7 @@ def explain(
             first = next(iter(_tensors((example_inputs, forward_kwargs))), None)
         device_type = first.device.type if first is not None else "cpu"
     device_type = parse_device_type(device_type)
+    _check_devices(model, (example_inputs, forward_kwargs), device_type)
     if isinstance(policy, str):
         policy = Policy.from_string(policy)
     region = autocast(device_type, dtype=dtype, policy=policy)

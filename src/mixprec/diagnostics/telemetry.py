@@ -1,8 +1,9 @@
 """What the loss scale is doing: gradient underflow at the current scale, and the scale's history.
 
 `grad_underflow` answers "is my scale too low?": for each parameter, the fraction of gradient
-elements that are zero, that fall in fp16's subnormal range (fewer than 10 bits of precision
-left) or that would flush to zero in fp16, at the scale the gradients carry, and the same at a
+elements that are zero, that fall in the low dtype's subnormal range (fewer bits of precision
+left) or that would flush to zero in it (fp16 or bf16, the one the model trains in), at the
+scale the gradients carry, and the same at a
 2x scale, with whether 2x would overflow. `scale_history` answers "what did the scale do?": the
 scale used by each of the scaler's last updates and which ones were skipped, as rows, a table and
 a PNG.
@@ -20,6 +21,8 @@ from typing import Any
 
 import torch
 
+from mixprec._optional import require_matplotlib
+from mixprec.dtypes import dtype_name
 from mixprec.errors import MixprecError
 
 __all__ = ["ScaleHistory", "UnderflowReport", "grad_underflow", "scale_history"]
@@ -29,6 +32,35 @@ def _bounds(dtype: torch.dtype) -> tuple[float, float, float]:
     """(smallest subnormal, smallest normal, largest finite) of `dtype`."""
     info = torch.finfo(dtype)
     return float(info.smallest_normal) * float(info.eps), float(info.smallest_normal), info.max
+
+
+def _dtype_in_use(model: torch.nn.Module) -> tuple[torch.dtype, str]:
+    """The low dtype `model` trains in, and how that is known.
+
+    In order: the opt level ``mixprec.initialize`` put on the model (its autocast region, or
+    its cast weights), weights already in a 16-bit dtype, else the default of the device the
+    gradients are on (fp16 on CUDA, bf16 on a CPU); a plain ``torch.autocast`` or
+    ``mixprec.autocast`` loop leaves no trace on the model, so pass `dtype` there.
+    """
+    from mixprec.dtypes import LOW_DTYPES, default_dtype
+    from mixprec.levels.model import amp_hooks
+
+    hooks = amp_hooks(model)
+    if hooks is not None:
+        if hooks.region is not None and hooks.region[1] in LOW_DTYPES:
+            return hooks.region[1], "the model's mixprec.initialize autocast region"
+        if hooks.input_dtype in LOW_DTYPES:
+            return hooks.input_dtype, "the model's weights, cast by mixprec.initialize"
+    params = [p for p in model.parameters() if p.grad is not None]
+    for p in params:
+        if p.dtype in LOW_DTYPES:
+            return p.dtype, "the model's weights"
+    device = params[0].grad.device.type if params else "cpu"
+    try:
+        dtype = default_dtype(device).dtype
+    except MixprecError:
+        dtype = torch.float16
+    return dtype, f"the {device.upper()} default; pass dtype= if the run used the other"
 
 
 @dataclass(frozen=True)
@@ -43,11 +75,13 @@ class UnderflowReport:
             magnitude at the scale) and ``overflow_2x`` (2x would exceed the dtype's maximum).
         dtype: the low dtype whose range was applied.
         scale: the factor applied to the stored gradients before measuring.
+        dtype_reason: where `dtype` came from (given, or found on the model).
     """
 
     rows: list[dict[str, Any]]
     dtype: torch.dtype
     scale: float
+    dtype_reason: str = "given"
 
     def total(self) -> dict[str, Any]:
         """Element-weighted totals over all parameters."""
@@ -67,7 +101,8 @@ class UnderflowReport:
 
     def to_json(self, indent: int | None = 2) -> str:
         """Totals and rows as a JSON document."""
-        return json.dumps({"dtype": str(self.dtype).removeprefix("torch."), "scale": self.scale,
+        return json.dumps({"dtype": str(self.dtype).removeprefix("torch."),
+                           "dtype_reason": self.dtype_reason, "scale": self.scale,
                            "total": self.total(), "saved_by_2x": self.saved_by_2x,
                            "rows": self.rows}, indent=indent)  # fmt: skip
 
@@ -80,10 +115,26 @@ class UnderflowReport:
             "a 2x scale would overflow (the scale is at its ceiling)" if t["overflow_2x"]
             else f"a 2x scale would lift {self.saved_by_2x:.2%} of elements and not overflow"
         )  # fmt: skip
+        name = dtype_name(self.dtype)
+        tiny, normal, _ = _bounds(self.dtype)
         lines = [
-            f"gradient underflow in {str(self.dtype).removeprefix('torch.')} at scale "
-            f"{self.scale:g}: zero {t['zero']:.2%}, flushed {t['flushed']:.2%}, subnormal "
-            f"{t['subnormal']:.2%}; largest |g| {t['max_abs']:.3g}; {verdict}",
+            f"gradient underflow in {name} ({self.dtype_reason}) at scale {self.scale:g}: zero "
+            f"{t['zero']:.2%}, flushed {t['flushed']:.2%}, subnormal {t['subnormal']:.2%}; "
+            f"largest |g| {t['max_abs']:.3g}; {verdict}",
+        ]
+        if self.dtype == torch.bfloat16:
+            lines.append(
+                f"  bf16 keeps fp32's exponent range, so bf16 runs need no loss scale: scale 1 "
+                f"is the normal case, and only |g| below {tiny / 2:.2g} flushes to zero "
+                f"(subnormal: below {normal:.2g})."
+            )
+        elif self.scale == 1:
+            lines.append(
+                f"  fp16 flushes |g| below {tiny / 2:.2g} (subnormal below {normal:.2g}). Scale 1 "
+                "measures the gradients as stored: before scaler.unscale_() they carry the "
+                "loss scale; after it, pass scale=scaler.get_scale()."
+            )
+        lines += [
             f"{'param':<40} {'numel':>10} {'zero':>7} {'flushed':>8} {'subnorm':>8} "
             f"{'at 2x':>15} {'max|g|':>9}",
         ]
@@ -102,7 +153,7 @@ class UnderflowReport:
 def grad_underflow(
     model: torch.nn.Module,
     scale: float = 1.0,
-    dtype: torch.dtype = torch.float16,
+    dtype: torch.dtype | None = None,
 ) -> UnderflowReport:
     """Measure how much of each parameter's gradient underflows `dtype` at `scale`.
 
@@ -110,12 +161,19 @@ def grad_underflow(
     ``scale=1.0``; after unscaling pass the loss scale (``scaler.get_scale()``), so the figures
     describe the gradients as the low-precision backward saw them.
 
+    `dtype` defaults to the one the model trains in: its ``mixprec.initialize`` opt level, or
+    its 16-bit weights, else the default of the gradients' device (fp16 on CUDA, bf16 on a
+    CPU); the report says which it used and why.
+
     Cost: a few reductions per parameter, then one host-device sync for all of them.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"grad_underflow needs a torch.nn.Module, got {type(model).__name__}.")
     if not (isinstance(scale, (int, float)) and 0 < scale < math.inf):
         raise MixprecError(f"grad_underflow scale={scale!r} must be a finite number > 0.")
+    reason = "given"
+    if dtype is None:
+        dtype, reason = _dtype_in_use(model)
     if dtype not in (torch.float16, torch.bfloat16):
         raise MixprecError(
             f"grad_underflow dtype must be torch.float16 or torch.bfloat16, got {dtype}."
@@ -153,7 +211,7 @@ def grad_underflow(
             "flushed_2x": flushed2, "subnormal_2x": sub2, "max_abs": amax,
             "overflow_2x": bool(amax * 2 > top),
         })  # fmt: skip
-    return UnderflowReport(rows, dtype, float(scale))
+    return UnderflowReport(rows, dtype, float(scale), reason)
 
 
 @dataclass(frozen=True)
@@ -201,24 +259,47 @@ class ScaleHistory:
                 start = i
         return "\n".join(lines)
 
-    def plot(self, path: str) -> str:
-        """Draw the scale (log axis) with skipped updates marked to a PNG at `path`."""
-        from mixprec.bench.report import require_matplotlib
+    def figure(self) -> Any:
+        """The scale per update (log axis), skipped updates marked: a matplotlib Figure.
+
+        Every update is a visible point, so a history of one update is a dot, not an empty
+        line; the axes span at least one update either side and a factor of 2 above and below.
+        """
+        if not self.rows:
+            raise MixprecError(
+                "scale history has no updates yet: nothing to plot. Call scale_history(scaler) "
+                "after at least one scaler.update()."
+            )
+        from matplotlib.ticker import MaxNLocator
 
         plt = require_matplotlib()
-        fig, ax = plt.subplots(figsize=(7, 3.2))
+        fig, ax = plt.subplots(figsize=(7, 3.2), layout="constrained")
         xs = [r["update"] for r in self.rows]
-        ax.step(xs, [r["scale"] for r in self.rows], where="post", label="loss scale")
+        ys = [r["scale"] for r in self.rows]
+        # A dot per update on the step line: a line alone draws nothing for a single update.
+        ax.plot(xs, ys, drawstyle="steps-post", marker="o", ms=3 if len(xs) > 50 else 5,
+                label="loss scale")  # fmt: skip
         sk = [r for r in self.rows if r["skipped"]]
         if sk:
             ax.scatter([r["update"] for r in sk], [r["scale"] for r in sk], color="red",
                        marker="x", zorder=3, label=f"skipped ({len(sk)})")  # fmt: skip
         ax.set_yscale("log", base=2)
+        ax.set_xlim(min(xs) - 0.5, max(xs) + 0.5)
+        ax.set_ylim(min(ys) / 2, max(ys) * 2)
+        if max(xs) - min(xs) < 10:  # few updates: a tick on each, never between two
+            ax.set_xticks(range(min(xs), max(xs) + 1))
+        else:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("update")
         ax.set_ylabel("scale used")
         ax.set_title("mixprec.GradScaler: loss scale per update")
         ax.legend(loc="best")
-        fig.tight_layout()
+        return fig
+
+    def plot(self, path: str) -> str:
+        """Write `figure` as a PNG at `path`; return the path."""
+        plt = require_matplotlib()
+        fig = self.figure()
         fig.savefig(path, dpi=120)
         plt.close(fig)
         return path

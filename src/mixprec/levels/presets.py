@@ -13,7 +13,7 @@ import difflib
 import enum
 import math
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -156,6 +156,7 @@ class AmpOptions:
     num_losses: int
     policy: Policy
     options: tuple[Option, ...] = field(default=(), compare=False)
+    device_reason: str = field(default="", compare=False)
 
     @property
     def dynamic_loss_scale(self) -> bool:
@@ -169,8 +170,9 @@ class AmpOptions:
 
     def __str__(self) -> str:
         preset = PRESETS[self.level]
+        why = f" ({self.device_reason})" if self.device_reason else ""
         lines = [preset.summary, "", preset.description, "",
-                 f"Resolved for {self.device_type} / {dtype_name(self.dtype)}:"]  # fmt: skip
+                 f"Resolved for {self.device_type} / {dtype_name(self.dtype)}{why}:"]  # fmt: skip
         lines += [f"  {opt}" for opt in self.options]
         return "\n".join(lines)
 
@@ -327,19 +329,33 @@ def _check(level, low, model_type, patch, keep_bn, master, loss_scale, min_ls, m
         )
 
 
+def _this_machine() -> tuple[str, str]:
+    """The device type a run here would use by default, and why."""
+    if torch.cuda.is_available():
+        return "cuda", "this machine's GPU; pass device_type='cpu' for the CPU's settings"
+    return "cpu", ("no CUDA device on this machine; pass device_type='cuda' for a GPU's settings")
+
+
 def describe(
     opt_level: str | OptLevel = "O1",
     *,
-    device_type: str = "cuda",
+    device_type: str | None = None,
     dtype: str | torch.dtype | None = None,
     **overrides: Any,
 ) -> AmpOptions:
     """An opt level resolved with `overrides`; ``print()`` it for the summary, the paragraph and
     every option with the reason for its value.
 
+    `device_type` defaults to this machine's: ``'cuda'`` where a GPU is visible, else ``'cpu'``
+    (bf16, no loss scaling), and the printout says which and why; pass it to see another's.
+
     Examples:
         >>> print(mixprec.describe("O2", device_type="cpu"))   # doctest: +ELLIPSIS
         O2: low-precision model with fp32 normalization layers and fp32 master weights.
         ...
     """
-    return resolve(opt_level, device_type=device_type, dtype=dtype, **overrides)
+    why = ""
+    if device_type is None:
+        device_type, why = _this_machine()
+    options = resolve(opt_level, device_type=device_type, dtype=dtype, **overrides)
+    return replace(options, device_reason=why) if why else options
