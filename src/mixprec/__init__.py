@@ -29,6 +29,7 @@ from mixprec.eager import (
     promote_function,
 )
 from mixprec.errors import AutocastError, BannedOpError, MixprecError, PolicyError
+from mixprec.fp8 import Fp8Recipe, Fp8Report, fp8_report, fp8_update, to_fp8
 from mixprec.graph import AmpBackend, CastReport, compile
 from mixprec.levels import (
     AmpOptimizer,
@@ -58,6 +59,8 @@ __all__ = [
     "CastReport",
     "Decision",
     "ExplainReport",
+    "Fp8Recipe",
+    "Fp8Report",
     "GradScaler",
     "MixprecError",
     "NonFiniteEvent",
@@ -84,6 +87,8 @@ __all__ = [
     "describe",
     "explain",
     "float_function",
+    "fp8_report",
+    "fp8_update",
     "get_autocast_dtype",
     "get_autocast_policy",
     "grad_underflow",
@@ -94,6 +99,7 @@ __all__ = [
     "promote_function",
     "scale_history",
     "scale_loss",
+    "to_fp8",
     "update_scale",
     "watch_nonfinite",
 ]

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from mixprec.errors import MixprecError, PolicyError
+from mixprec.fp8.convert import fp8_layers, to_fp8
 from mixprec.levels.model import AmpHooks, amp_hooks, cast_model
 from mixprec.levels.optimizer import AmpOptimizer, LossScaling, build_inner
 from mixprec.levels.presets import AmpOptions, OptLevel, resolve
@@ -58,8 +59,10 @@ def initialize(
         dtype: the low dtype; default fp16 on CUDA, bf16 on CPU.
         overrides: Apex's option names (``cast_model_type``, ``keep_batchnorm_fp32``,
             ``master_weights``, ``loss_scale``, ``min_loss_scale``, ``max_loss_scale``,
-            ``cast_model_outputs``, ``patch_torch_functions``) plus ``num_losses`` and
-            ``policy`` (the op policy for O1's autocast).
+            ``cast_model_outputs``, ``patch_torch_functions``) plus ``num_losses``,
+            ``policy`` (the op policy for O1's autocast, and its FP8 module rules) and ``fp8``
+            (an `Fp8Recipe` or its name: the policy's FP8 layers, by default every linear layer
+            with sizes multiple of 16 except the first and the last, become `Fp8Linear`s).
 
     Returns:
         ``model`` (inference), or ``(model, optimizer)``; lists where lists were given. The
@@ -88,9 +91,17 @@ def initialize(
     scaler = _make_scaler(options) if optimizers is not None else None
     masters: dict[int, torch.Tensor] = {}
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (low-precision weight, its master)
-    for model in model_list:
+    fp8: list[Any] = []  # the models' FP8 layers (fp8_update runs after each optimizer step)
+    for i, model in enumerate(model_list):
+        if options.fp8 is not None:
+            converted = to_fp8(model, options.fp8, options.policy)
+            if converted is not model:  # the model was one nn.Linear: return its replacement
+                model_list[i] = model = converted
+            fp8 += [layer for _, layer in fp8_layers(model)]
         pairs += _prepare_model(model, options, masters)
 
+    if isinstance(models, (list, tuple)):
+        models = type(models)(model_list)
     if optimizers is None:
         return models if isinstance(models, (list, tuple)) else model_list[0]
     scaling = LossScaling(scaler)
@@ -99,9 +110,10 @@ def initialize(
         inner = _inner_optimizer(opt, masters, model_list)
         mine = {id(p) for g in inner.param_groups for p in g["params"]}
         own = [(low, m) for low, m in pairs if id(m) in mine]
-        wrapped.append(
-            AmpOptimizer(inner, options, scaling, [lo for lo, _ in own], [m for _, m in own])
-        )
+        # An FP8 layer advances with the optimizer that steps its weight (or its master).
+        layers = [f for f in fp8 if id(masters.get(id(f.weight), f.weight)) in mine]
+        lows, ms = [lo for lo, _ in own], [m for _, m in own]
+        wrapped.append(AmpOptimizer(inner, options, scaling, lows, ms, layers))
     out_models = models if isinstance(models, (list, tuple)) else model_list[0]
     out_opts = wrapped if isinstance(optimizers, (list, tuple)) else wrapped[0]
     return out_models, out_opts
