@@ -113,9 +113,7 @@ class Fp8Linear(nn.Linear):
             r.grad_dtype is E5M2, r.rowwise, r.delayed, r.overflow == "saturate",
             r.power_of_two, r.fast_accum, r.emulate,
         )  # fmt: skip
-        with torch.no_grad():  # this step's largest amaxes; the scales just used
-            fwd = self.fp8_fwd
-            fwd.copy_(torch.cat([torch.maximum(fwd[:2], stats[:2]), stats[2:]]))
+        torch.ops.mixprec.fp8_record(self.fp8_fwd, stats)
         if self.measure_error:
             self._measure(x2, out)
         if self.bias is not None:

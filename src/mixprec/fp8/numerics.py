@@ -50,7 +50,8 @@ def scale_from_amax(
     the input was not finite, and the step's gradients carry the problem to the loss scaler,
     which skips the step (nothing is silently clipped away).
     """
-    scale = torch.clamp(amax_, min=EPS).reciprocal() * fmax
+    # A true division: fmax / (fmax * 2**-k) is exactly 2**k (a reciprocal times fmax is not).
+    scale = fmax / torch.clamp(amax_, min=EPS)
     if power_of_two:
         scale = torch.exp2(torch.floor(torch.log2(scale)))
     return scale

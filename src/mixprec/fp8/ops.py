@@ -34,7 +34,7 @@ from torch import Tensor
 from mixprec.fp8.numerics import amax, inverse, quantize, scale_from_amax, scaled_mm
 from mixprec.fp8.recipe import E4M3, E5M2, fp8_max
 
-__all__ = ["fp8_linear"]
+__all__ = ["fp8_linear", "fp8_linear_backward", "fp8_record"]
 
 _E4M3_MAX = fp8_max(E4M3)
 
@@ -167,6 +167,19 @@ def _(g, x, inv_x, w, inv_w, scales, grad_stats, x_dtype, w_dtype, grad_e5m2, ro
       saturate, power_of_two, emulate):  # fmt: skip
     return (g.new_empty((g.shape[0], w.shape[1]), dtype=x_dtype),
             g.new_empty((g.shape[1], x.shape[1]), dtype=w_dtype))  # fmt: skip
+
+
+@torch.library.custom_op("mixprec::fp8_record", mutates_args=("fwd",))
+def fp8_record(fwd: Tensor, stats: Tensor) -> None:
+    """``fwd = [max(fwd[:2], stats[:2]), stats[2:]]``: this step's largest input and weight
+    amax (micro-batches accumulate), and the scales the last forward used."""
+    with _plain():
+        fwd.copy_(torch.cat([torch.maximum(fwd[:2], stats[:2]), stats[2:]]))
+
+
+@fp8_record.register_fake
+def _(fwd, stats):
+    return None
 
 
 def _setup(ctx, inputs, output) -> None:
