@@ -295,32 +295,54 @@ def _train(model, fp8, batches, loss_of, lr):
     return sum(losses[-10:]) / 10, losses[0]
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_fp8_training_tracks_bf16_on_the_seed_mlp_and_gpt(recipe):
+def _mlp_task():
     torch.manual_seed(0)
     teacher = torch.randn(64, 8)
-    mlp_data = [(x, x @ teacher) for x in torch.randn(120, 32, 64)]
+    data = [(x, x @ teacher) for x in torch.randn(100, 32, 64)]
 
-    def mlp_loss(model, batch):
-        return F.mse_loss(model(batch[0]).float(), batch[1])
-
-    def mlp():
+    def make():
         torch.manual_seed(1)
         return nn.Sequential(seed_mlp(64, 4), nn.Linear(64, 8))
 
-    def gpt_loss(model, tokens):
-        logits = model(tokens[:, :-1]).float()
-        return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    def loss_of(model, batch):
+        return F.mse_loss(model(batch[0]).float(), batch[1])
 
-    def gpt():
+    return make, data, loss_of, 0.15
+
+
+def _gpt_task():
+    def make():
         torch.manual_seed(1)
         return GPT(GPTConfig.tiny())
 
-    gpt_data = token_stream(512, 8, 33, 60)
-    for make, data, loss_of, lr, tol in ((mlp, mlp_data, mlp_loss, 3e-3, 0.15),
-                                         (gpt, gpt_data, gpt_loss, 3e-3, 0.03)):  # fmt: skip
-        ref_end, ref_start = _train(make(), None, data, loss_of, lr)
-        end, start = _train(make(), recipe, data, loss_of, lr)
-        assert start == pytest.approx(ref_start, rel=0.05)
-        assert end < 0.8 * start  # it learned
-        assert abs(end - ref_end) <= tol * ref_end, (end, ref_end)
+    def loss_of(model, tokens):
+        logits = model(tokens[:, :-1]).float()
+        return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+    return make, token_stream(512, 8, 33, 40), loss_of, 0.03
+
+
+TASKS = {"mlp": _mlp_task, "gpt": _gpt_task}
+
+
+@pytest.fixture(scope="module")
+def bf16_runs():
+    """The bf16 (O1) reference run of each task, trained once for all recipes."""
+    out = {}
+    for name, task in TASKS.items():
+        make, data, loss_of, _ = task()
+        out[name] = _train(make(), None, data, loss_of, 3e-3)
+    return out
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_training_tracks_bf16_on_the_seed_mlp_and_gpt(recipe, task, bf16_runs):
+    # Same seed, same batches: FP8's loss curve must stay close to bf16's. (The seed-to-seed
+    # comparison over a few hundred steps is benchmarks/fp8_training.py.)
+    make, data, loss_of, tol = TASKS[task]()
+    ref_end, ref_start = bf16_runs[task]
+    end, start = _train(make(), recipe, data, loss_of, 3e-3)
+    assert start == pytest.approx(ref_start, rel=0.05)
+    assert end < 0.8 * start  # it learned
+    assert abs(end - ref_end) <= tol * ref_end, (end, ref_end)
