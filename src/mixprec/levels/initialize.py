@@ -100,8 +100,10 @@ def initialize(
             fp8 += [layer for _, layer in fp8_layers(model)]
         pairs += _prepare_model(model, options, masters)
 
-    if isinstance(models, (list, tuple)):
-        models = type(models)(model_list)
+    if isinstance(models, (list, tuple)) and any(
+        a is not b for a, b in zip(models, model_list, strict=True)
+    ):
+        models = type(models)(model_list)  # a model that was one nn.Linear was replaced
     if optimizers is None:
         return models if isinstance(models, (list, tuple)) else model_list[0]
     scaling = LossScaling(scaler)
