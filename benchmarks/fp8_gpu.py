@@ -250,9 +250,12 @@ def goals(gemm: list[dict], step: list[dict], loss: list[dict]) -> dict[str, Any
         mean, spread = statistics.fmean(ref), max(ref) - min(ref)
         out["bf16_final_loss_mean"], out["bf16_final_loss_spread"] = mean, spread
         others = [r["variant"] for r in loss if r["variant"] != "bf16 TrainStep"]
+        outside = 0
         for variant in dict.fromkeys(others):
             mine = statistics.fmean(r["final_loss"] for r in loss if r["variant"] == variant)
-            out[f"loss_within_spread[{variant}]"] = abs(mine - mean) <= spread
+            out[f"loss_within_spread[{variant}]"] = within = abs(mine - mean) <= spread
+            outside += not within
+        out["loss_outside_spread"] = outside
     return out
 
 
