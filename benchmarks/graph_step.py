@@ -26,7 +26,8 @@ eager fallback, at small sizes unless --full.
 Usage::
 
     PYTHONPATH=src python benchmarks/graph_step.py [--workloads mlp,resnet50,gpt2]
-        [--variants ...] [--device auto|cpu|cuda] [--full] [--json PATH]
+        [--variants ...] [--device auto|cpu|cuda] [--full] [--compile-backend inductor]
+        [--json PATH]
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ import torch
 
 import mixprec
 from mixprec.bench.report import metadata
-from mixprec.bench.workloads import WORKLOADS, Workload
+from mixprec.bench.workloads import WORKLOADS, Workload, WorkloadSize
 
 VARIANTS = (
     "fp32", "torch.amp fp16", "torch.amp bf16", "torch.amp+compile bf16", "manual fp16",
@@ -118,8 +119,13 @@ def _manual_capture(workload, model, batch, device, dtype) -> Callable[[], torch
     return step
 
 
-def build(name: str, workload: Workload, params: dict, device: str) -> Callable[[], torch.Tensor]:
-    """One training step of `workload` under variant `name`."""
+def build(name: str, workload: Workload, params: dict, device: str,
+          compile_backend: str = "inductor") -> Callable[[], torch.Tensor]:  # fmt: skip
+    """One training step of `workload` under variant `name`.
+
+    `compile_backend` is torch.compile's backend for the "+compile" variants: inductor (the
+    default, what the table measures) or a cheaper one (eager, aot_eager) for smoke runs.
+    """
     torch.manual_seed(0)
     model, batch = workload.build(params, device)
     dtype = _dtype(name)
@@ -138,7 +144,7 @@ def build(name: str, workload: Workload, params: dict, device: str) -> Callable[
     if name.startswith("torch.amp"):
         opt = workload.optimizer(model, device)
         scaler = torch.amp.GradScaler(device, enabled=dtype == torch.float16)
-        run = torch.compile(model) if "compile" in name else model
+        run = torch.compile(model, backend=compile_backend) if "compile" in name else model
 
         def step() -> torch.Tensor:
             opt.zero_grad(set_to_none=True)
@@ -169,8 +175,9 @@ def build(name: str, workload: Workload, params: dict, device: str) -> Callable[
     level = "O2" if "O2" in name else "O1"
     plain = "any-opt" in name or device != "cuda"
     opt = workload.optimizer(model, device) if plain else _fused_optimizer(workload, model)
+    compiled = {"backend": compile_backend} if "compile" in name else False
     train_step = mixprec.TrainStep(model, opt, compute_loss=compute, opt_level=level,
-                                   dtype=dtype, compile="compile" in name)  # fmt: skip
+                                   dtype=dtype, compile=compiled)  # fmt: skip
     step = lambda: train_step(*batch)  # noqa: E731
     step.train_step = train_step  # type: ignore[attr-defined]
     return step
@@ -210,6 +217,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="steps per round (default 20 GPU)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="batch size instead of the workload's (toy sizes for smoke runs)",
+    )
+    ap.add_argument("--compile-backend", default="inductor",
+                    help="torch.compile backend of the +compile variants (default inductor; "
+                    "eager or aot_eager make smoke runs fast)")  # fmt: skip
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" \
@@ -224,11 +240,16 @@ def main(argv: list[str] | None = None) -> int:
     for wname in args.workloads.split(","):
         workload = WORKLOADS[wname]
         size = workload.size(args.full, device)
+        if args.batch:
+            size = WorkloadSize(f"{size.description}; batch set to {args.batch}", size.steps,
+                                size.warmup, {**size.params, "batch": args.batch})  # fmt: skip
         steps = args.steps or (20 if device == "cuda" else max(2, size.steps // 4))
         block = []
         for name in names:
             row: dict[str, Any] = {"workload": wname, "size": size.description, "variant": name,
                                    "device": device, "status": "ok", "reason": ""}  # fmt: skip
+            if "compile" in name:
+                row["compile_backend"] = args.compile_backend
             why = _unavailable(name, device)
             if why:
                 row.update(status="skipped", reason=why)
@@ -236,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             print(f"{wname:9s} {name} ...", file=sys.stderr, flush=True)
             try:
-                step = build(name, workload, size.params, device)
+                step = build(name, workload, size.params, device, args.compile_backend)
                 ms, peak, loss = measure(step, device, args.warmup, steps, args.rounds)
             except Exception as err:  # a variant that fails is reported, not fatal
                 row.update(status="failed", reason=f"{type(err).__name__}: {err}"[:300])

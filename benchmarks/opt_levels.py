@@ -2,7 +2,8 @@
 
 For each variant: median ms per training step (AdamW, cross-entropy on random tokens), the peak
 memory of a step above the memory held between steps (activations and temporaries), the memory
-held between steps (weights, masters, gradients, optimizer state) and the final loss.
+held between steps (weights, masters, gradients, optimizer state), the peak itself (held +
+activations: ``peak_MiB`` in the JSON) and the final loss.
 Expectations: O2 uses less activation memory than O1 (its activations are born low precision and
 it keeps no per-step fp32->low weight copies), and O3 is the speed floor.
 
@@ -88,6 +89,7 @@ def _measure(name, device, dtype, cfg, batch, steps, warmup) -> dict:
         "loss": float(loss.item()),
         "held_MiB": None if held is None else held / 2**20,
         "activation_peak_MiB": None if peak is None else (peak - held) / 2**20,
+        "peak_MiB": None if peak is None else peak / 2**20,
     }  # fmt: skip
     del step
     if device == "cuda":
@@ -100,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         choices=["cuda", "cpu"])  # fmt: skip
     parser.add_argument("--dtype", default=None, help="fp16 or bf16 (default: fp16 on CUDA)")
-    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (20 GPU, 10 CPU)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (3)")
+    parser.add_argument("--batch", type=int, default=None, help="sequences (8 GPU, 4 CPU)")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     gpu = args.device == "cuda"
@@ -108,10 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--device cuda was requested but CUDA is not available")
     dtype = mixprec.dtypes.parse_dtype(args.dtype or ("fp16" if gpu else "bf16"), low_only=True)
     cfg = GPTConfig() if gpu else GPTConfig.tiny()
-    batch = 8 if gpu else 4
+    batch = args.batch or (8 if gpu else 4)
     steps = args.steps or (20 if gpu else 10)
     names = ["torch.amp", "mixprec O0", "mixprec O1", "mixprec O2", "mixprec O3"]
-    rows = [_measure(n, args.device, dtype, cfg, batch, steps, warmup=3) for n in names]
+    rows = [_measure(n, args.device, dtype, cfg, batch, steps, args.warmup) for n in names]
     ref = rows[0]["ms_per_step"]
     device = torch.cuda.get_device_name() if gpu else platform.processor() or "cpu"
     print(f"torch {torch.__version__}, {device}, GPT {cfg.n_layer}x{cfg.n_embd}, T "
@@ -130,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.json:
         meta = {"command": " ".join(["python", *sys.argv]), "torch": torch.__version__,
-                "python": platform.python_version(), "device": device}  # fmt: skip
+                "python": platform.python_version(), "device": device,
+                "dtype": mixprec.dtypes.dtype_name(dtype), "batch": batch,
+                "model": f"GPT {cfg.n_layer}x{cfg.n_embd}, T {cfg.block_size}"}  # fmt: skip
         with open(args.json, "w") as fh:
             json.dump({"meta": meta, "rows": rows}, fh, indent=2)
     with contextlib.suppress(Exception):

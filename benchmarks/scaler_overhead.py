@@ -134,14 +134,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         choices=["cuda", "cpu"], help="default: cuda if available")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--width", type=int, default=None, help="MLP width (4096 GPU, 512 CPU)")
+    parser.add_argument("--batch", type=int, default=None, help="MLP batch (512 GPU, 64 CPU)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="MLP steps per timed block (20 GPU, 5 CPU)")  # fmt: skip
+    parser.add_argument("--tensors", type=int, default=100, help="gradients to unscale (100)")
+    parser.add_argument(
+        "--per-tensor",
+        type=int,
+        default=None,
+        help="elements per gradient (1,000,000 GPU: 100M in all; 100,000 CPU)",
+    )
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda was requested but CUDA is not available")
     gpu = args.device == "cuda"
-    mlp = _mlp_rows(args.device, 4096 if gpu else 512, 512 if gpu else 64, 20 if gpu else 5,
+    mlp = _mlp_rows(args.device, args.width or (4096 if gpu else 512),
+                    args.batch or (512 if gpu else 64), args.steps or (20 if gpu else 5),
                     args.rounds)  # fmt: skip
-    uns = _unscale_rows(args.device, 100, 1_000_000 if gpu else 100_000, args.rounds)
+    uns = _unscale_rows(
+        args.device, args.tensors, args.per_tensor or (1_000_000 if gpu else 100_000), args.rounds
+    )
     name = torch.cuda.get_device_name() if gpu else platform.processor() or "cpu"
     print(f"torch {torch.__version__}, Python {platform.python_version()}, {name}")
     print(f"\n{mlp[0]['workload']}")

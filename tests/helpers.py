@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 from unittest import mock
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixprec
+from mixprec.diagnostics.casts import CastCounter
 
 
 @mixprec.float_function
@@ -43,15 +42,4 @@ def no_host_reads() -> Iterator[None]:
         yield
 
 
-class CastCounter(TorchDispatchMode):
-    """Counts aten._to_copy calls by (source dtype -> target dtype), below autograd."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.casts: Counter[tuple[torch.dtype, torch.dtype]] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.ops.aten._to_copy.default:
-            self.casts[(args[0].dtype, kwargs.get("dtype", args[0].dtype))] += 1
-        return func(*args, **kwargs)
+__all__ = ["CastCounter", "dtypes_of", "no_host_reads", "scaled_dot"]

@@ -177,3 +177,20 @@ def test_trainstep_compile_keeps_the_loss_in_fp32():
         got, want = step(x, y), ref(x, y)
         assert got.dtype == torch.float32
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_functions_met_later_do_not_recompile_compiled_code():
+    # Dynamo guards on what a traced __torch_function__ reads. Functions first met after a
+    # compile (torch internals, torch.ops overloads, property getters, user callables) must not
+    # change it: that would recompile every compiled function, and a property getter as a dict
+    # key broke dynamo's guards outright.
+    model, x = _model(), torch.randn(8, 16)
+    counter = CompileCounter()
+    compiled = torch.compile(lambda x: model(x).sum(), backend=counter)
+    with mixprec.autocast("cpu"):
+        compiled(x)
+        torch.ops.aten.relu.default(x)
+        _ = x.shape, x.dtype, x.T
+        mixprec.float_function(lambda t: t * 2)(x)
+        compiled(x)
+    assert counter.frame_count == 1

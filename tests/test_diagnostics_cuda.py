@@ -9,7 +9,10 @@ from torch import nn
 import mixprec
 from tests.test_diagnostics import _Blowup, _CastCounter, _Net
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.gpu,
+]
 
 
 def test_explain_cuda_table_reports_layernorm_ping_pong_and_true_cast_count():

@@ -473,7 +473,7 @@ def test_bad_arguments_name_the_options():
     assert str(err.value).startswith(
         "unknown casts mode 'fast'. Valid modes: 'exact', 'minimal' or 'off' (exact: remove"
     )
-    with pytest.raises(mixprec.PolicyError, match="policy must be a mixprec.Policy"):
+    with pytest.raises(TypeError, match="policy must be a mixprec.Policy, its string form"):
         mixprec.AmpBackend(policy=42)  # type: ignore[arg-type]
     with pytest.raises(mixprec.PolicyError, match="backend must be a torch.compile backend"):
         mixprec.AmpBackend(backend=42)  # type: ignore[arg-type]
@@ -500,3 +500,14 @@ def test_trainstep_compile_applies_the_policy_to_the_loss():
     assert step.amp_backend is not None and step.amp_backend.reports
     for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+def test_registered_backend_name():
+    from importlib.metadata import entry_points
+
+    if not any(ep.name == "mixprec" for ep in entry_points(group="torch_dynamo_backends")):
+        pytest.skip("mixprec is not installed (run from a source tree): no backend entry point")
+    lin = torch.nn.Linear(8, 4)
+    f = torch.compile(lambda x, y: F.cross_entropy(lin(x), y), backend="mixprec")
+    with mixprec.autocast("cpu"):
+        assert f(torch.randn(2, 8), torch.tensor([0, 1])).dtype == FP32

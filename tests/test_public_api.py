@@ -9,14 +9,14 @@ import mixprec
 
 EXPECTED = [
     "AmpBackend", "AmpOptimizer", "AutocastError", "BannedOpError", "CastReport", "Decision",
-    "GradScaler", "MixprecError", "compile",
+    "DistributedError", "GradScaler", "MixprecError", "compile",
     "OpCategory", "OptLevel", "Policy", "PolicyError", "ScaleConfig", "ScalerCheckpointError",
     "ScalerConfigError", "ScalerStateError", "SkipAwareLR", "TrainStep", "TrainStepError",
     "ExplainReport", "NonFiniteEvent", "ScaleHistory", "UnderflowReport", "explain",
     "grad_underflow", "scale_history", "watch_nonfinite",
     "Fp8Recipe", "Fp8Report", "fp8_report", "fp8_update", "to_fp8",
     "__version__", "autocast", "checkpoint_context", "custom_bwd", "custom_fwd", "default_dtype",
-    "describe",
+    "describe", "fully_shard", "load_checkpoint", "save_checkpoint",
     "float_function", "get_autocast_dtype", "get_autocast_policy", "half_function", "initialize",
     "is_autocast_enabled", "master_params", "promote_function", "scale_loss", "update_scale",
 ]  # fmt: skip

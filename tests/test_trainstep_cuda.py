@@ -13,7 +13,10 @@ import torch.nn.functional as F
 
 import mixprec
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.gpu,
+]
 
 OVERFLOWS = {4, 5, 13}
 

@@ -15,6 +15,7 @@ from mixprec.diagnostics import (
     scale_history,
     watch_nonfinite,
 )
+from mixprec.distributed import DistributedError, fully_shard, load_checkpoint, save_checkpoint
 from mixprec.dtypes import default_dtype
 from mixprec.eager import (
     autocast,
@@ -58,6 +59,7 @@ __all__ = [
     "BannedOpError",
     "CastReport",
     "Decision",
+    "DistributedError",
     "ExplainReport",
     "Fp8Recipe",
     "Fp8Report",
@@ -89,14 +91,17 @@ __all__ = [
     "float_function",
     "fp8_report",
     "fp8_update",
+    "fully_shard",
     "get_autocast_dtype",
     "get_autocast_policy",
     "grad_underflow",
     "half_function",
     "initialize",
     "is_autocast_enabled",
+    "load_checkpoint",
     "master_params",
     "promote_function",
+    "save_checkpoint",
     "scale_history",
     "scale_loss",
     "to_fp8",

@@ -24,6 +24,8 @@ examples:
   mixprec train --data cifar10:~/data/cifar-10-batches-py --model resnet50 --epochs 30
   mixprec policy --device cuda --op softmax layer_norm
   mixprec explain resnet50 --dtype fp16  # which op ran in which precision, casts, ping-pong
+  mixprec train --nproc-per-node 2       # data-parallel (DDP) in 2 processes, torchrun underneath
+  torchrun --nproc-per-node 8 -m mixprec bench gpt2   # or launch with torchrun yourself
 """
 
 
@@ -90,6 +92,10 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", metavar="PATH", help="write the rows as JSON records")
     bench.add_argument("--plot", metavar="PATH", help="write a PNG bar chart (needs matplotlib)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.add_argument("--nproc-per-node", type=int, metavar="N",
+                       help="run data-parallel in N processes (DDP, torchrun underneath; one "
+                       "GPU each on CUDA, gloo on the CPU); each rank runs the workload's "
+                       "batch")  # fmt: skip
 
     train = sub.add_parser(
         "train",
@@ -122,6 +128,10 @@ def _parser() -> argparse.ArgumentParser:
         "--out", default="mixprec-train", help="output folder, created (default: mixprec-train)"
     )
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument("--nproc-per-node", type=int, metavar="N",
+                       help="train data-parallel in N processes (DDP, torchrun underneath; one "
+                       "GPU each on CUDA, gloo on the CPU); --batch-size is the global batch, "
+                       "split evenly across the N ranks")  # fmt: skip
 
     pol = sub.add_parser(
         "policy",
@@ -229,6 +239,66 @@ def _progress(total: int, enabled: bool, label: str) -> tuple[Callable[[str], No
     return update, bar.close
 
 
+def _check_nproc(args: argparse.Namespace, device: str) -> None:
+    """Refuse a --nproc-per-node that cannot work, before any other work starts."""
+    from mixprec.distributed.launch import in_worker
+
+    n = args.nproc_per_node
+    if n is None:
+        return
+    if n < 1:
+        raise CliError(f"--nproc-per-node must be >= 1, got {n}.")
+    if in_worker():
+        raise CliError(
+            f"--nproc-per-node was given to a process torchrun started (WORLD_SIZE="
+            f"{os.environ.get('WORLD_SIZE')}): the command already runs data-parallel. Drop "
+            f"--nproc-per-node, or run mixprec without torchrun."
+        )
+    if device == "cuda" and n > _gpus():
+        raise CliError(
+            f"--nproc-per-node {n} needs {n} GPUs (one per process); this machine has "
+            f"{_gpus()}. Use --nproc-per-node {_gpus()}, or --device cpu."
+        )
+
+
+def _launch(args: argparse.Namespace) -> int | None:
+    """With --nproc-per-node N > 1: run this command in N processes under torchrun; their status.
+
+    None: run here (no flag, or N = 1).
+    """
+    from mixprec.distributed.launch import launch
+
+    n = args.nproc_per_node
+    if n is None or n == 1:
+        return None
+    return launch(n, _without_nproc(args.argv))
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def _without_nproc(argv: Sequence[str]) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc-per-node":
+            skip = True
+        elif not arg.startswith("--nproc-per-node="):
+            out.append(arg)
+    return out
+
+
+def _join(device: str) -> Any:
+    """This process's place in a torchrun job (rank 0 of 1 outside one), as a context manager."""
+    from mixprec.distributed.launch import joined
+
+    return joined(device)
+
+
 # ------------------------------------------------------------------------------- commands
 
 
@@ -245,6 +315,7 @@ def _bench(args: argparse.Namespace) -> int:
     variants = _choices(args.variants, list(VARIANTS), "--variants")
     device = _device(args.device)
     dtype = _dtype(args.dtype, device)
+    _check_nproc(args, device)
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path:
             report.check_writable(path, flag)
@@ -253,13 +324,21 @@ def _bench(args: argparse.Namespace) -> int:
     for flag, value in (("--steps", args.steps), ("--warmup", args.warmup)):
         if value is not None and value < (1 if flag == "--steps" else 0):
             raise CliError(f"{flag} must be {'>= 1' if flag == '--steps' else '>= 0'}.")
-    tick, close = _progress(len(workloads) * len(variants), not args.no_progress, "bench")
-    try:
-        rows = runner.run(workloads, variants, device=device, dtype=dtype, full=args.full,
-                          steps=args.steps, warmup=args.warmup, progress=tick)  # fmt: skip
-    finally:
-        close()
-    meta = report.metadata(device)
+    launched = _launch(args)
+    if launched is not None:
+        return launched
+    with _join(device) as ctx:
+        show = not args.no_progress and ctx.is_main
+        tick, close = _progress(len(workloads) * len(variants), show, "bench")
+        try:
+            rows = runner.run(workloads, variants, device=device, dtype=dtype, full=args.full,
+                              steps=args.steps, warmup=args.warmup, progress=tick,
+                              dist=ctx)  # fmt: skip
+        finally:
+            close()
+    if not ctx.is_main:
+        return 0
+    meta = {**report.metadata(device), "world_size": ctx.world_size}
     print(report.render_table(rows, meta))
     if args.json:
         report.write_json(args.json, rows, meta)
@@ -282,10 +361,20 @@ def _train(args: argparse.Namespace) -> int:
         raise CliError(f"unknown --model {args.model!r}. Valid: {', '.join(train.MODELS)}.")
     device = _device(args.device)
     dtype = _dtype(args.dtype, device)
+    _check_nproc(args, device)
     for flag, value in (("--epochs", args.epochs), ("--batch-size", args.batch_size),
                         ("--seeds", args.seeds)):  # fmt: skip
         if value < 1:
             raise CliError(f"{flag} must be >= 1, got {value}.")
+    from mixprec.distributed.topology import launched_world_size
+
+    world = args.nproc_per_node if args.nproc_per_node is not None else launched_world_size()
+    if args.batch_size % world:
+        near = world * max(1, round(args.batch_size / world))
+        raise CliError(
+            f"--batch-size {args.batch_size} cannot be split evenly across {world} ranks: it "
+            f"is the global batch. Use a multiple of {world}, e.g. --batch-size {near}."
+        )
     try:
         os.makedirs(args.out, exist_ok=True)
     except OSError as err:
@@ -295,18 +384,27 @@ def _train(args: argparse.Namespace) -> int:
         report.check_writable(path, "--out")
     report.require_matplotlib()
     data = datasets.load(args.data)
+    launched = _launch(args)
+    if launched is not None:
+        return launched
     seeds = list(range(args.seed, args.seed + args.seeds))
-    print(f"{data.describe()}; model {args.model}; {device} {dtype_name(dtype)}; modes "
-          f"{', '.join(modes)}; {args.epochs} epochs; seeds {seeds}")  # fmt: skip
-    tick, close = _progress(len(modes) * len(seeds) * args.epochs, not args.no_progress, "train")
-    try:
-        records = train.train(data, model=args.model, modes=modes, epochs=args.epochs,
-                              batch_size=args.batch_size, device=device, dtype=dtype,
-                              seeds=seeds, tick=lambda: tick(""))  # fmt: skip
-    finally:
-        close()
+    with _join(device) as ctx:
+        if ctx.is_main:
+            ranks = f"; {ctx.world_size} ranks ({ctx.backend})" if ctx.distributed else ""
+            print(f"{data.describe()}; model {args.model}; {device} {dtype_name(dtype)}; modes "
+                  f"{', '.join(modes)}; {args.epochs} epochs; seeds {seeds}{ranks}")  # fmt: skip
+        show = not args.no_progress and ctx.is_main
+        tick, close = _progress(len(modes) * len(seeds) * args.epochs, show, "train")
+        try:
+            records = train.train(data, model=args.model, modes=modes, epochs=args.epochs,
+                                  batch_size=args.batch_size, device=device, dtype=dtype,
+                                  seeds=seeds, tick=lambda: tick(""), dist=ctx)  # fmt: skip
+        finally:
+            close()
+    if not ctx.is_main:
+        return 0
     summary = train.summarize(records)
-    meta = report.metadata(device)
+    meta = {**report.metadata(device), "world_size": ctx.world_size}
     print(f"\n  {'mode':10s} {'test accuracy':>22s} {'train time':>11s} {'x fp32':>7s}  vs fp32")
     for r in summary:
         acc = f"{100 * r['accuracy_mean']:.2f}% +- {100 * r['accuracy_std']:.2f}"
@@ -399,6 +497,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = _parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # for --nproc-per-node launches
     if args.version:
         print(_versions())
         return 0

@@ -93,8 +93,10 @@ def _fmt(value: Any, width: int, spec: str, suffix: str = "") -> str:
 
 def render_table(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
     """The benchmark table, grouped by workload, with a legend and the skipped variants' reasons."""
+    world = meta.get("world_size", 1)
+    ranks = f" | {world} ranks under DDP (this rank's timings)" if world > 1 else ""
     lines = [
-        f"mixprec {meta['mixprec']} | torch {meta['torch']} | {meta['device_name']}",
+        f"mixprec {meta['mixprec']} | torch {meta['torch']} | {meta['device_name']}{ranks}",
         "",
         "ms/step: median time of one training step (forward, loss, backward, optimizer).",
         "x fp32 / x torch.amp: speed-up over those rows (above 1 = faster).",

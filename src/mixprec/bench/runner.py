@@ -91,8 +91,14 @@ def run(
     steps: int | None = None,
     warmup: int | None = None,
     progress: Callable[[str], None] | None = None,
+    dist: Any = None,
 ) -> list[dict[str, Any]]:
-    """Run every (workload, variant) pair; return one row each (skipped ones with a reason)."""
+    """Run every (workload, variant) pair; return one row each (skipped ones with a reason).
+
+    `dist` (a `mixprec.distributed.launch.DistContext`) runs every variant data-parallel under
+    DDP on each rank, with the workload's batch per rank; the rows are this rank's timings.
+    """
+    world = 1 if dist is None else dist.world_size
     rows: list[dict[str, Any]] = []
     peaks: dict[str, float] = {}
     for wname in workloads:
@@ -113,14 +119,14 @@ def run(
                 "steps": size.steps, "warmup": size.warmup, "status": "ok", "reason": "",
                 "ms_per_step": None, "speedup_vs_fp32": None, "speedup_vs_torch_amp": None,
                 "peak_memory_MiB": None, "final_loss": None, "pct_of_peak_matmul": None,
-                "matmul_tflops": None,
+                "matmul_tflops": None, "world_size": world,
             }  # fmt: skip
             ok, reason = variant.available(device, dtype)
             if not ok:
                 row.update(status="skipped", reason=reason)
                 block.append(row)
                 continue
-            step, cleanup = variant.build(workload, size, device, dtype)
+            step, cleanup = variant.build(workload, size, device, dtype, dist=dist)
             try:
                 seconds, peak, loss = _time(step, size, device)
             finally:

@@ -69,12 +69,25 @@ def _run(
     device: str,
     dtype: torch.dtype,
     tick: Callable[[], None],
+    dist: Any = None,
 ) -> list[dict[str, Any]]:
     torch.manual_seed(seed)
     model, make_opt = _model(model_name, data)
     model = model.to(device)
     opt = make_opt(model)
     null = _nullregion
+    rank, world = (dist.rank, dist.world_size) if dist is not None else (0, 1)
+
+    def wrap(m: nn.Module) -> nn.Module:
+        if world == 1:
+            return m
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(m, **dist.ddp_kwargs())
+
+    plain = model  # evaluated without the DDP wrapper (no collectives in eval)
+    if mode in ("fp32", "torch.amp"):
+        model = wrap(model)
     if mode == "fp32":
 
         def step(x, y):
@@ -101,6 +114,8 @@ def _run(
             return torch.autocast(device, dtype=dtype)
     else:
         model, amp = mixprec.initialize(model, opt, mode, dtype=dtype)
+        plain = model
+        model = wrap(model)  # after initialize: DDP builds its buckets for the cast weights
 
         def step(x, y):
             amp.zero_grad(set_to_none=True)
@@ -120,21 +135,33 @@ def _run(
         sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
         sync()
         t0 = time.perf_counter()
+        share = batch // world  # this rank's slice of the global batch
         for i in range(0, len(order) - batch + 1, batch):
-            idx = order[i : i + batch]
+            idx = order[i + rank * share : i + (rank + 1) * share]
             loss = step(data.train_x[idx].to(device), data.train_y[idx].to(device))
             losses.append(loss.detach())
             steps += 1
         sync()
         clock += time.perf_counter() - t0
-        test_loss, test_acc = _evaluate(model, data, device, 256, region)
+        test_loss, test_acc = _evaluate(plain, data, device, 256, region)
         curve.append({
             "mode": mode, "seed": seed, "epoch": epoch, "step": steps, "time_s": clock,
-            "train_loss": float(torch.stack(losses).float().mean()), "test_loss": test_loss,
+            "world_size": world,
+            "train_loss": _global_mean(torch.stack(losses).float().mean(), world),
+            "test_loss": test_loss,
             "test_accuracy": test_acc,
         })  # fmt: skip
         tick()
     return curve
+
+
+def _global_mean(value: torch.Tensor, world: int) -> float:
+    """The mean over ranks of a per-rank value (each rank saw its share of every batch)."""
+    if world > 1:
+        value = value.clone()
+        torch.distributed.all_reduce(value)  # once per epoch; every rank calls it
+        value /= world
+    return float(value)
 
 
 def _nullregion() -> Any:
@@ -154,12 +181,19 @@ def train(
     dtype: torch.dtype,
     seeds: Sequence[int],
     tick: Callable[[], None] = lambda: None,
+    dist: Any = None,
 ) -> list[dict[str, Any]]:
-    """Train every (mode, seed); return the per-epoch records of all runs."""
+    """Train every (mode, seed); return the per-epoch records of all runs.
+
+    `dist` (a `mixprec.distributed.launch.DistContext`): train data-parallel under DDP, each
+    rank on its contiguous share of every global batch of `batch_size` (the opt levels are
+    initialized before wrapping). Every rank evaluates the same weights on the whole test set.
+    """
     records: list[dict[str, Any]] = []
     for seed in seeds:
         for mode in modes:
-            records += _run(mode, seed, data, model, epochs, batch_size, device, dtype, tick)
+            records += _run(mode, seed, data, model, epochs, batch_size, device, dtype, tick,
+                            dist)  # fmt: skip
     return records
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -46,13 +47,28 @@ class Variant:
         return True, ""
 
     def build(
-        self, workload: Workload, size: WorkloadSize, device: str, dtype: torch.dtype
-    ) -> tuple[Step, Callable[[], None]]:
-        """A function running one training step (returns the loss), and one to clean up."""
+        self, workload: Workload, size: WorkloadSize, device: str, dtype: torch.dtype,
+        dist: Any = None,
+    ) -> tuple[Step, Callable[[], None]]:  # fmt: skip
+        """A function running one training step (returns the loss), and one to clean up.
+
+        With `dist` (a DistContext of more than one rank), the model is wrapped in
+        DistributedDataParallel: after ``initialize`` for the opt levels (their order), by
+        TrainStep itself for the trainstep variant (on its capture stream).
+        """
         torch.manual_seed(0)
         model, batch = workload.build(size.params, device)
         optimizer = workload.optimizer(model, device)
         inputs = batch[0]
+        ddp = dist is not None and dist.distributed
+
+        def wrap(m: torch.nn.Module) -> torch.nn.Module:
+            from torch.nn.parallel import DistributedDataParallel
+
+            return DistributedDataParallel(m, **dist.ddp_kwargs()) if ddp else m
+
+        if self.name != "trainstep" and self.name not in VARIANT_LEVELS:
+            model = wrap(model)  # fp32, tf32, torch.amp: nothing is cast, wrap at once
         if self.name in ("fp32", "tf32"):
             ctx = _tf32 if self.name == "tf32" else contextlib.nullcontext
 
@@ -82,11 +98,12 @@ class Variant:
         if self.name == "trainstep":
             train_step = mixprec.TrainStep(
                 model, optimizer, compute_loss=lambda m, *b: workload.loss(m(b[0]), b),
-                opt_level="O1", dtype=dtype,
+                opt_level="O1", dtype=dtype, ddp=dist.ddp_kwargs() if ddp else False,
             )  # fmt: skip
             return (lambda: train_step(*batch)), _noop
         level = self.name
         model, amp_opt = mixprec.initialize(model, optimizer, level, dtype=dtype)
+        model = wrap(model)  # after initialize: O2/O3 cast the weights DDP's buckets are built for
 
         def step() -> torch.Tensor:
             amp_opt.zero_grad(set_to_none=True)
@@ -118,6 +135,9 @@ def _tf32() -> Iterator[None]:
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = prev
 
+
+#: The variants that are mixprec opt levels (initialize, then DDP).
+VARIANT_LEVELS = ("O1", "O2", "O3")
 
 VARIANTS: dict[str, Variant] = {
     v.name: v

@@ -19,7 +19,7 @@ from mixprec.dtypes import default_dtype, parse_device_type, parse_dtype, resolv
 from mixprec.eager.mode import AutocastMode, find_mode, torch_state
 from mixprec.eager.table import Region
 from mixprec.errors import AutocastError
-from mixprec.policy.policy import DEFAULT_POLICY, Policy
+from mixprec.policy.policy import Policy, as_policy
 
 __all__ = ["autocast", "get_autocast_dtype", "get_autocast_policy", "is_autocast_enabled"]
 
@@ -89,15 +89,7 @@ class autocast:
             raise TypeError(
                 f"cache_enabled must be a bool or None, got {type(cache_enabled).__name__}."
             )
-        if isinstance(policy, str):
-            policy = Policy.from_string(policy)
-        elif policy is None:
-            policy = DEFAULT_POLICY
-        elif not isinstance(policy, Policy):
-            raise TypeError(
-                f"policy must be a mixprec.Policy or its string form, got {type(policy).__name__}."
-            )
-        self.policy = policy
+        self.policy = policy = as_policy(policy)
         if dtype is not None:
             parse_dtype(dtype, low_only=True)  # validate even when disabled
         if enabled and self.device_type == "cuda" and not torch.cuda.is_available():

@@ -56,11 +56,19 @@ class DispatchTable:
     """A resolved policy per enabled device type, compiled to ``{function: rule}``.
 
     ``table.memo.get(func, MISS)`` answers a rule, None (pass through) or MISS (`classify`).
+    `memo` is complete when built (every function torch hands to a mode, with its rule or None)
+    and never changes afterwards: dynamo guards on the contents of what a traced
+    ``__torch_function__`` reads, so a memo that grew would recompile every compiled function
+    (and some keys, property getters, break dynamo's guards outright). Functions met later
+    (property getters, torch internals, ``torch.ops`` overloads, user callables) are classified
+    into `late`, which traced code never reads.
     """
 
     def __init__(self, resolved: tuple[ResolvedPolicy, ...]) -> None:
         self.resolved = resolved
-        self.memo: dict[Any, Any] = {}
+        self._memo: dict[Any, Any] = {}
+        self.memo: dict[Any, Any] = self._memo
+        self.late: dict[Any, Any] = {}
         self._rules: dict[tuple[Any, ...], Any] = {}
         ruled: set[str] = set()
         watched: set[str] = set()  # passed through, but kept out of torch's dispatcher
@@ -104,16 +112,16 @@ class DispatchTable:
                 for fn in entry_points(name):
                     per_func.setdefault(fn, {}).setdefault(rp.device_type, hands_off)
         for fn, by_dev in per_func.items():
-            self.memo[fn] = self._combine(by_dev)
+            self._memo[fn] = self._combine(by_dev)
         self._reentry_names = None
         if resolved:
             # Python wrappers reaching any of these must run their body under the mode.
             self._reentry_names = composites.transparent_names(frozenset(ruled | watched))
-            # Enter what a compile trace may meet, so tracing never has to classify.
+            # Enter everything a compile trace may meet, so tracing never has to classify.
             # (Direct _classify: this may run at trace time, where `classify` declines.)
-            for fn in (*composites.torch_python_functions(), *list(_DECLARED)):
-                if fn not in self.memo:
-                    self.memo[fn] = self._classify(fn)
+            for fn in (*_overridable(), *composites.torch_python_functions(), *list(_DECLARED)):
+                if fn not in self._memo:
+                    self._memo[fn] = self._classify(fn)
 
     def _rule(
         self,
@@ -139,16 +147,16 @@ class DispatchTable:
         return DeviceSwitch(by_dev)
 
     def classify(self, func: Any) -> Any:
-        """Find (and memoise) the rule for a function not entered up front; None = pass."""
+        """Find (and remember in `late`) the rule for a function not in `memo`; None = pass."""
         if dynamo_tracing():
             return None  # never run classification in a trace (tables pre-enter what it meets)
+        try:
+            return self.late[func]
+        except (KeyError, TypeError):  # not met yet, or unhashable (classified every call)
+            pass
         rule = self._classify(func)
-        if torch.compiler.is_compiling():
-            # A backend re-running a captured graph (mixprec.graph): dynamo has guarded on this
-            # memo while tracing the same frame, so it must not change until the frame is done.
-            return rule
-        with contextlib.suppress(TypeError):  # an unhashable callable: classified every call
-            self.memo[func] = rule
+        with contextlib.suppress(TypeError):
+            self.late[func] = rule
         return rule
 
     def _classify(self, func: Any) -> Any:
@@ -218,6 +226,18 @@ def _torch_touches(device_type: str, dtype: torch.dtype) -> frozenset[str]:
     ref = _torch_reference(device_type, dtype)
     touched = {n for n, c in ref.ops.items() if c is not OpCategory.PASSTHROUGH}
     return frozenset(touched | set(ref.dynamic) | set(KNOWN_DEVIATIONS))
+
+
+@functools.cache
+def _overridable() -> tuple[Any, ...]:
+    """The functions torch hands to a torch function mode (about 1,300 in torch 2.13), less
+    property getters: dynamo cannot guard a dict that has one as a key."""
+    return tuple(
+        fn
+        for funcs in torch.overrides.get_overridable_functions().values()
+        for fn in funcs
+        if type(fn).__name__ != "method-wrapper"
+    )
 
 
 EMPTY = DispatchTable(())

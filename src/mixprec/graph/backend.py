@@ -33,7 +33,7 @@ from mixprec.errors import PolicyError
 from mixprec.graph.casts import CAST_MODES, CastReport, minimise_casts
 from mixprec.graph.trace import trace_with_policy
 from mixprec.policy.categories import OpCategory
-from mixprec.policy.policy import DEFAULT_POLICY, Policy
+from mixprec.policy.policy import Policy, as_policy
 
 __all__ = ["AmpBackend", "compile", "default_backend"]
 
@@ -67,14 +67,7 @@ class AmpBackend:
         backend: str | Callable[..., Any] = "inductor",
         casts: str = "exact",
     ) -> None:
-        if isinstance(policy, str):
-            policy = Policy.from_string(policy)
-        elif policy is None:
-            policy = DEFAULT_POLICY
-        elif not isinstance(policy, Policy):
-            raise PolicyError(
-                f"policy must be a mixprec.Policy or its string form, got {type(policy).__name__}."
-            )
+        policy = as_policy(policy)
         if casts not in CAST_MODES:
             minimise_casts(fx.GraphModule({}, fx.Graph()), casts, _none, _none)  # the error
         if not (isinstance(backend, str) or callable(backend)):

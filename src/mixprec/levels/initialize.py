@@ -23,7 +23,7 @@ from torch import nn
 
 from mixprec.errors import MixprecError, PolicyError
 from mixprec.fp8.convert import fp8_layers, to_fp8
-from mixprec.levels.model import AmpHooks, amp_hooks, cast_model
+from mixprec.levels.model import AmpHooks, cast_model
 from mixprec.levels.optimizer import AmpOptimizer, LossScaling, build_inner
 from mixprec.levels.presets import AmpOptions, OptLevel, resolve
 from mixprec.scaling.scaler import GradScaler
@@ -68,20 +68,33 @@ def initialize(
         ``model`` (inference), or ``(model, optimizer)``; lists where lists were given. The
         optimizers are `AmpOptimizer`s; the scaler is ``optimizer.scaler``.
 
+    Distributed: a model wrapped in ``DistributedDataParallel`` is accepted for O0 and O1 (for
+    O2/O3 initialize first, then wrap); a model sharded by `mixprec.fully_shard` keeps the level
+    it was sharded at, and only the optimizer side (scaler, no master copies: FSDP's fp32 shards
+    are the masters) is added here. See docs/distributed.md.
+
     Raises:
         PolicyError: an unknown level or option, or options that contradict each other.
         MixprecError: a model initialized twice, or an optimizer that cannot be rebuilt.
+        DistributedError: a DDP or FSDP2 model in an order of wrapping that cannot work (the
+            message gives the order that does).
     """
+    from mixprec.distributed import wrapping  # DDP / FSDP2: what each order of wrapping allows
+
     model_list = list(models) if isinstance(models, (list, tuple)) else [models]
     if not model_list or not all(isinstance(m, nn.Module) for m in model_list):
         raise PolicyError("initialize expects an nn.Module or a list of them as `models`.")
-    for model in model_list:
-        if amp_hooks(model) is not None:
-            raise MixprecError(
-                f"{type(model).__name__} was already initialized by mixprec.initialize; "
-                f"initialize a model once (build a fresh model to change the opt level)."
-            )
     options = resolve(opt_level, device_type=_device_type(model_list), dtype=dtype, **overrides)
+    kinds = [
+        wrapping.model_kind(model, options, overrides, optimizers is not None)
+        for model in model_list
+    ]
+    if options.fp8 is not None and "sharded" in kinds:
+        raise PolicyError(
+            "FP8 layers are not supported on a model sharded by mixprec.fully_shard yet (the FP8 "
+            "matmuls take whole weights, FSDP2 shards them). Train the sharded model without "
+            "fp8=..., or an unsharded (or DDP) model with it."
+        )
     # Everything that can be refused is checked before any model is changed, so a refused
     # argument leaves the models as they were (the scaler validates its own settings).
     opt_list = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
@@ -92,7 +105,9 @@ def initialize(
     masters: dict[int, torch.Tensor] = {}
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (low-precision weight, its master)
     fp8: list[Any] = []  # the models' FP8 layers (fp8_update runs after each optimizer step)
-    for i, model in enumerate(model_list):
+    for i, (model, kind) in enumerate(zip(model_list, kinds, strict=True)):
+        if kind == "sharded":  # mixprec.fully_shard applied the level: FSDP's shards are masters
+            continue
         if options.fp8 is not None:
             converted = to_fp8(model, options.fp8, options.policy)
             if converted is not model:  # the model was one nn.Linear: return its replacement
@@ -116,6 +131,11 @@ def initialize(
         layers = [f for f in fp8 if id(masters.get(id(f.weight), f.weight)) in mine]
         lows, ms = [lo for lo, _ in own], [m for _, m in own]
         wrapped.append(AmpOptimizer(inner, options, scaling, lows, ms, layers))
+    for model, kind in zip(model_list, kinds, strict=True):
+        if kind == "sharded":
+            wrapping.find_hooks(model).optimized = True
+    # Under DDP the scaler's own agreement all-reduce is redundant (agreement.py says why).
+    wrapping.register_replicated(model_list, wrapped)
     out_models = models if isinstance(models, (list, tuple)) else model_list[0]
     out_opts = wrapped if isinstance(optimizers, (list, tuple)) else wrapped[0]
     return out_models, out_opts

@@ -97,6 +97,10 @@ class AmpHooks:
         self.input_dtype = input_dtype
         self.output_dtype = output_dtype
         self.region = region
+        # The AmpOptions when mixprec.fully_shard applied the level through FSDP2 (no masters:
+        # FSDP's fp32 shards are the masters); None when initialize did.
+        self.sharded: Any = None
+        self.optimized = False  # (sharded models) initialize already added the optimizer side
         self._local = threading.local()  # per-thread stack of open regions (re-entrant calls)
         self._handles = [
             model.register_forward_pre_hook(self._enter, with_kwargs=True),

@@ -21,7 +21,7 @@ import torch
 from mixprec.dtypes import dtype_name, parse_device_type, parse_dtype, resolve_dtype
 from mixprec.errors import PolicyError, format_options, unknown_value
 from mixprec.fp8.recipe import Fp8Recipe
-from mixprec.policy.policy import Policy
+from mixprec.policy.policy import Policy, as_policy
 
 __all__ = ["OVERRIDES", "AmpOptions", "OptLevel", "describe", "resolve"]
 
@@ -259,9 +259,7 @@ def resolve(
                    "losses are computed in fp32 on the model's outputs" if preset.cast_model_outputs
                    else "outputs stay in the dtype the model computed them in")  # fmt: skip
     num_losses = pick("num_losses", 1, "one loss, one scale")
-    policy = pick("policy", Policy(), "torch.autocast's op lists")
-    if isinstance(policy, str):
-        policy = Policy.from_string(policy)
+    policy = as_policy(pick("policy", None, "torch.autocast's op lists"), "the policy override")
     fp8, policy = _resolve_fp8(level, overrides, policy, opts)
 
     _check(level, low, model_type, patch, keep_bn, master, loss_scale, min_ls, max_ls,
@@ -274,15 +272,13 @@ def resolve(
 
 
 def _resolve_fp8(
-    level: OptLevel, overrides: dict[str, Any], policy: Any, opts: list[Option]
-) -> tuple[Fp8Recipe | None, Any]:
+    level: OptLevel, overrides: dict[str, Any], policy: Policy, opts: list[Option]
+) -> tuple[Fp8Recipe | None, Policy]:
     """The FP8 recipe (None: off) and the policy with its FP8 module rules, with reasons.
 
     FP8 is on when ``fp8=`` names a recipe, or when the policy has FP8 module rules (then with
     the ``tensorwise`` recipe); ``fp8=False`` turns it off whatever the policy says.
     """
-    if not isinstance(policy, Policy):
-        return None, policy  # _check reports it
     value = overrides.get("fp8")
     rules = bool(policy.modules)
     if value is False or (value is None and not rules):
@@ -346,8 +342,6 @@ def _check(level, low, model_type, patch, keep_bn, master, loss_scale, min_ls, m
         )
     if not (isinstance(num_losses, int) and not isinstance(num_losses, bool) and num_losses >= 1):
         raise PolicyError(f"num_losses={num_losses!r} is invalid: use an int >= 1.")
-    if not isinstance(policy, Policy):
-        raise PolicyError("policy must be a mixprec.Policy or its string form.")
     if model_type not in (None, torch.float32, low):
         raise PolicyError(
             f"cast_model_type={dtype_name(model_type)!r} is neither fp32 nor this run's low "

@@ -39,7 +39,7 @@ from mixprec.policy.entrypoints import known_op_names, op_name
 from mixprec.policy.modules import ModuleDecision, ModuleRule, plan
 from mixprec.policy.tables import TABLES, OpTable
 
-__all__ = ["DEFAULT_POLICY", "Override", "Policy", "ResolvedPolicy", "Target"]
+__all__ = ["DEFAULT_POLICY", "Override", "Policy", "ResolvedPolicy", "Target", "as_policy"]
 
 #: What an edit can name: an op name, a ``torch.ops`` op, a binding or a dispatchable callable.
 Target = Union[str, Callable[..., Any]]  # noqa: UP007 - a runtime alias, valid on Python 3.10
@@ -533,3 +533,23 @@ def _is_torch_dispatchable(fn: Callable[..., Any]) -> bool:
 
 #: The policy of regions that name none: torch.autocast's lists, unedited.
 DEFAULT_POLICY = Policy()
+
+
+def as_policy(value: Policy | str | None, what: str = "policy") -> Policy:
+    """A `Policy` from what an argument may be: a Policy, its string form, or None (default).
+
+    Raises:
+        TypeError: anything else (the message names `what` and the accepted forms).
+        PolicyError: a string that does not parse.
+    """
+    if value is None:
+        return DEFAULT_POLICY
+    if isinstance(value, str):
+        return Policy.from_string(value)
+    if isinstance(value, Policy):
+        return value
+    raise TypeError(
+        f"{what} must be a mixprec.Policy, its string form or None, got "
+        f"{type(value).__name__} {value!r}; e.g. mixprec.Policy().move('softmax', to='fp32') "
+        f"or 'fp32=softmax'."
+    )

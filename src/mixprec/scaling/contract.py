@@ -143,7 +143,7 @@ def check_inf_per_device(scaler: GradScaler, optimizer: Any) -> dict[Any, torch.
     per_device = {d: (f > 0).float() for d, f in scaler._check_only(optimizer).items()}
     state = scaler._state(optimizer)
     state.found_inf = scaler._combine(per_device)
-    work = scaler._all_reduce(state.found_inf)
+    work = scaler._all_reduce(state.found_inf, optimizer)
     if work is not None:  # the optimizer uses the flags at once: every rank must agree first
         work.wait()
         per_device = {d: (state.found_inf > 0).float().to(d) for d in per_device}

@@ -9,7 +9,10 @@ as a thin shell around the pure update in `mixprec.scaling.state`:
 - Each optimizer goes through a stage machine, ready -> unscaled -> stepped, reset by
   ``update()``; calls out of order raise an error naming the rule they break.
 - Under ``torch.distributed`` the overflow count is all-reduced (asynchronously, MAX) before any
-  rank decides, so all ranks skip together and their scales stay equal.
+  rank decides, so all ranks skip together and their scales stay equal. Where DDP already
+  all-reduced every gradient an optimizer steps, that collective is redundant and skipped
+  (`mixprec.distributed.agreement` says when). DTensor gradients (FSDP2) are unscaled and
+  checked as local shards, so DTensor adds no collective of its own.
 - ``state_dict`` carries every field (scale, trackers, counters, config, per-loss scales) and
   loads torch.amp's format; a bad state dict is refused before anything changes.
 - Optimizers that handle scaling themselves get torch's contracts (`mixprec.scaling.contract`):
@@ -424,7 +427,7 @@ class GradScaler:
                     found = found + local.to(main, non_blocking=True)
         state = self._state(optimizer)
         state.found_inf = found
-        state.pending = self._all_reduce(found)
+        state.pending = self._all_reduce(found, optimizer)
         state.stage = _Stage.UNSCALED
 
     def _check_only(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
@@ -451,10 +454,19 @@ class GradScaler:
                 found = found + local.to(main, non_blocking=True)
         return found
 
-    def _all_reduce(self, found: torch.Tensor) -> Any:
+    def _all_reduce(
+        self, found: torch.Tensor, optimizer: torch.optim.Optimizer | None = None
+    ) -> Any:
         dist = torch.distributed
         if not (dist.is_available() and dist.is_initialized()):
             return None
+        if optimizer is not None and self._num_losses == 1:
+            from mixprec.distributed.agreement import is_replicated
+
+            if is_replicated(optimizer):
+                # DDP all-reduced every gradient this optimizer steps: each rank counts the
+                # same overflows from the same bits, so agreeing again would change nothing.
+                return None
         # MAX, asynchronously: every rank then sees an overflow any rank saw, so all ranks skip
         # the same steps and keep the same scale. The handle is waited on before found is used;
         # for NCCL that makes the stream wait, not the host.
@@ -501,7 +513,7 @@ class GradScaler:
             if guard.mode is SkipMode.FUSED and id(optimizer) not in self._already_unscaled:
                 state = self._state(optimizer)
                 state.found_inf = self._combine(self._check_only(optimizer))
-                state.pending = self._all_reduce(state.found_inf)
+                state.pending = self._all_reduce(state.found_inf, optimizer)
                 scale = self._ensure(main)[0].state.scale
                 grad_scale = scale if preset is None else scale * preset
                 state.stage = _Stage.UNSCALED

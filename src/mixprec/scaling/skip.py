@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from mixprec._compat import local_tensor
 from mixprec.scaling.contract import (
     consumes_scale_attributes,
     refuse_closure_optimizer,
@@ -107,7 +108,7 @@ def _tracked(
         for p in group["params"]:
             if p.grad is None:
                 continue
-            tensors.append(p)
+            tensors.append(local_tensor(p))  # FSDP2: snapshot and restore this rank's shard
             state = optimizer.state.get(p)
             if not state:
                 known = stateless.get(id(p))
@@ -123,7 +124,7 @@ def _tracked(
                             f"{name} keeps its state {key!r} on {value.device} (pass "
                             f"capturable=True or fused=True to keep it on {device})"
                         )
-                    tensors.append(value)
+                    tensors.append(local_tensor(value))  # FSDP2: this rank's shard
                 elif isinstance(value, (int, float)) and not isinstance(value, bool):
                     host_only = (
                         f"{name} keeps its state {key!r} as a Python "

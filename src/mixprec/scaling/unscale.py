@@ -11,7 +11,8 @@ Two implementations, bit-identical on the gradients:
   It is the fallback for devices without the fused kernel.
 
 ``benchmarks/scaler_overhead.py`` measures both against torch's scaler. Nothing here reads a
-value back to the host.
+value back to the host, and nothing here communicates: DTensor gradients (FSDP2) are processed
+as this rank's local shards, and the scaler agrees on overflows across ranks itself.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Iterable
 
 import torch
 
+from mixprec._compat import local_tensor
 from mixprec.errors import MixprecError
 
 __all__ = ["IMPLS", "GradGroups", "check_finite_", "group_grads", "unscale_and_check_"]
@@ -66,6 +68,10 @@ def group_grads(
                 grad = grad.coalesce()
                 param.grad = grad
             grad = grad._values()
+        # A DTensor gradient (FSDP2) is processed as this rank's shard: in place, so the DTensor
+        # sees the unscaled values, and without DTensor's blocking all-reduce of found_inf (the
+        # scaler agrees across ranks itself, once per step, asynchronously).
+        grad = local_tensor(grad)
         groups[grad.device][grad.dtype].append(grad)
     return groups
 

@@ -204,12 +204,7 @@ def capture_blocker(optimizer: torch.optim.Optimizer, device: torch.device) -> s
     Checked after the first eager step, when the optimizer state exists.
     """
     name = type(optimizer).__name__
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return (
-            "torch.distributed is initialized: capturing collectives (the gradient all-reduce, "
-            "the scaler's overflow agreement) is not supported yet"
-        )
+    # Collectives (DDP, the scaler's agreement) follow their own rules: mixprec.distributed.ddp.
     for group in optimizer.param_groups:
         for key in ("differentiable",):
             if group.get(key):
@@ -253,9 +248,13 @@ class CudaGraphs:
 
     executes_on_capture = False
 
+    def __init__(self, stream: Any = None) -> None:
+        # None: torch.cuda.graph's own side stream. Under DDP, the stream DDP was built on.
+        self.stream = stream
+
     def capture(self, body: Any, inputs: list[Any], spec: Any) -> tuple[Any, torch.Tensor]:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=self.stream):
             loss = body(*tree_unflatten(inputs, spec))
         return graph, loss
 

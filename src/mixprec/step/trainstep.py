@@ -23,11 +23,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from mixprec.diagnostics.watch import watcher_of
+from mixprec.distributed import ddp as ddp_rules
+from mixprec.distributed import wrapping
+from mixprec.distributed.topology import is_initialized
 from mixprec.errors import MixprecError, PolicyError, format_options
 from mixprec.levels.initialize import initialize, master_params, scale_loss
-from mixprec.levels.model import amp_hooks
 from mixprec.levels.optimizer import AmpOptimizer
 from mixprec.scaling.scaler import GradScaler
 from mixprec.step import graphs
@@ -78,6 +81,12 @@ class TrainStep:
             optimizer's hyperparameters stay unchanged (lazy initialisation, cuDNN autotuning
             and compilation happen there).
         max_graphs: captured graphs kept (one per input signature, least recently used out).
+        ddp: wrap the initialized model in ``DistributedDataParallel`` (True, or a dict of its
+            keyword arguments): in the order O2/O3 need (initialize, then DDP), and on CUDA on
+            the stream the step is captured on, as PyTorch's rules for capturing DDP ask
+            (`mixprec.distributed.ddp`). A model the caller wrapped in DDP works too, eagerly on
+            CUDA. Under DDP the scaler skips its own overflow all-reduce (DDP reduced every
+            gradient), and at least 11 eager steps run before a capture.
         overrides: Apex's option names for ``initialize`` (``keep_batchnorm_fp32``,
             ``loss_scale``, ``master_weights``, ``policy``, ...).
 
@@ -107,6 +116,7 @@ class TrainStep:
         compile: bool | dict[str, Any] = False,
         warmup: int = 2,
         max_graphs: int = 8,
+        ddp: bool | dict[str, Any] = False,
         **overrides: Any,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -166,8 +176,9 @@ class TrainStep:
                 f"the model is on {device}. Use capture='auto' to fall back to eager steps, or "
                 f"move the model to a CUDA device."
             )
+        ddp_kwargs = ddp_rules.requested_kwargs(ddp, model)
         if isinstance(optimizer, AmpOptimizer):
-            if amp_hooks(model) is None:
+            if wrapping.find_hooks(model) is None:
                 raise TrainStepError(
                     "the optimizer comes from mixprec.initialize but the model was not "
                     "initialized with it; pass the model that initialize returned."
@@ -179,6 +190,14 @@ class TrainStep:
                 )
         else:
             model, optimizer = initialize(model, optimizer, opt_level, dtype=dtype, **overrides)
+        self._side: Any = None
+        self._ddp_built = ddp_kwargs is not None
+        if ddp_kwargs is not None:
+            # Construct DDP on the stream that warms up and captures (PyTorch's rule 2).
+            self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
+            model = ddp_rules.wrap(model, ddp_kwargs, self._side)
+        if isinstance(model, DistributedDataParallel):
+            wrapping.register_replicated([model], [optimizer])
         self.model: nn.Module = model
         self.optimizer: AmpOptimizer = optimizer
         self.options = optimizer.options
@@ -189,15 +208,21 @@ class TrainStep:
         self.amp_backend: Any = None
         self._loss = self._build_loss(compile)
         self._device = device
+        self.notes: list[str] = []
+        if isinstance(model, DistributedDataParallel) and warmup < ddp_rules.DDP_WARMUP:
+            warmup = ddp_rules.DDP_WARMUP
+            self.notes.append(
+                f"warmup={warmup} eager steps before capture (PyTorch's rule for capturing DDP: "
+                f"at least {ddp_rules.DDP_WARMUP} DDP iterations first)"
+            )
         self._warmup = warmup
         self._max_graphs = max_graphs
-        self._backend: graphs.Backend = graphs.CudaGraphs()
+        # Under DDP the graph is captured on the stream DDP was constructed on (rule 2).
+        self._backend: graphs.Backend = graphs.CudaGraphs(self._side if self._ddp_built else None)
         self._graphs: OrderedDict[Any, StepGraph] = OrderedDict()
         self._warm: dict[Any, int] = {}
         self._fingerprint: Fingerprint | None = None
         self._last: StepGraph | None = None
-        self._side: Any = None
-        self.notes: list[str] = []
         self.captured = False
         self.calls = 0
         self.captures = 0
@@ -210,12 +235,25 @@ class TrainStep:
     # ------------------------------------------------------------------ set-up
 
     def _initial_blocker(self, capture: str) -> str | None:
+        collectives = self._collectives()
         if capture == "eager":
             return "running eagerly: capture='eager' was requested"
         if self._device.type != "cuda":
-            return (f"running eagerly: CUDA graphs need a CUDA device and the model is on "
-                    f"{self._device} (the same operations run one at a time)")  # fmt: skip
+            return (
+                f"running eagerly: CUDA graphs need a CUDA device and the model is on "
+                f"{self._device} (the same operations run one at a time{collectives})"
+            )
+        why = ddp_rules.capture_blocker(self.model, self._device, self._ddp_built)
+        if why is not None:
+            message = f"running eagerly: {why}. The step computes the same numbers eagerly"
+            if capture == "cuda_graph":
+                raise TrainStepError(message.replace("running eagerly: ", "cannot capture: "))
+            return message
         return None
+
+    def _collectives(self) -> str:
+        """How the step's collectives run, for reasons and explain() (empty when single-process)."""
+        return ddp_rules.describe_collectives(self.model, self.optimizer, self._device)
 
     def _build_loss(self, compile: bool | dict[str, Any]) -> Callable[..., torch.Tensor]:
         opts = self.options
@@ -424,6 +462,8 @@ class TrainStep:
             f"{len(self._graphs)} of {self._max_graphs}",
             f"  last call: {'captured' if self.captured else 'eager'}: {self.reason}",
         ]
+        if is_initialized():
+            lines.append(f"  distributed:{self._collectives()[1:]}")
         lines += [f"  changed: {note}" for note in self.notes]
         return "\n".join(lines)
 

@@ -1,0 +1,1 @@
+"""The machinery of benchmarks/gpu_suite.py (core, env, report) and its parts (parts, extract)."""

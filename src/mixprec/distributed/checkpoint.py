@@ -1,0 +1,315 @@
+"""Sharded checkpoints of model, optimizer (masters included) and scaler, through torch's DCP.
+
+    mixprec.save_checkpoint("ckpt/step-1000", model, optimizer)     # every rank calls it
+    mixprec.load_checkpoint("ckpt/step-1000", model, optimizer)     # any world size, any layout
+
+Storage, resharding and the collective save/load protocol are ``torch.distributed.checkpoint``'s
+(DCP): each rank writes its own shards, and a checkpoint saved on N ranks loads on M ranks. What
+mixprec adds is a state dict whose keys do not depend on how the model is wrapped or sharded:
+
+- ``model``: every parameter and persistent buffer by its fully qualified name, the DDP and
+  ``torch.compile`` prefixes removed. A parameter's entry holds its **fp32 values**: the master
+  weight in unsharded O2 (whose low-precision copy is refreshed from it on load), FSDP's fp32
+  shard under `mixprec.fully_shard` (those shards are the masters). So an O2 checkpoint moves
+  between DDP, a single process and FSDP2 in either direction.
+- ``optimizer``: the optimizer state by parameter name (the tensors DCP shards), and the param
+  groups' hyperparameters (JSON; a learning rate held as a device tensor is saved as a float and
+  loaded into the same tensor, so a captured TrainStep keeps it). How the loading job runs its
+  optimizer (``foreach``, ``fused``, ``capturable``, ``differentiable``) stays its own.
+- ``scaler``: every field of the `GradScaler` (JSON), and ``meta``: the format and opt level.
+
+Loading is all-or-nothing: DCP reads into new tensors (one extra copy of the model and optimizer
+state in memory while it runs), the result is checked (opt level, parameter names, scaler
+fields), and only then copied in. A load that fails changes nothing, an optimizer state created
+only to give DCP something to fill included.
+
+Bit-for-bit continuation: loading restores every value the step reads (weights, masters,
+optimizer state, scale and trackers), so a run resumed with the same data order and world size
+continues exactly as the uninterrupted run. Across world sizes the gradient reduction sums the
+ranks' contributions in another grouping; see docs/distributed.md for where that is still exact.
+Not saved: RNG states, data-loader position, LR schedulers: save them beside the checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.distributed.topology import DistributedError, is_initialized, unwrap_ddp
+from mixprec.scaling.scaler import GradScaler
+
+__all__ = ["FORMAT", "load_checkpoint", "save_checkpoint", "state_dict"]
+
+FORMAT = "mixprec.checkpoint/1"
+_KEY = "mixprec"  # the top-level key in DCP's state dict (other entries may sit beside it)
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    model = unwrap_ddp(model)
+    return getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule
+
+
+def _parts(optimizer: Any, scaler: GradScaler | None) -> tuple[Any, GradScaler | None, Any]:
+    """(the torch optimizer that steps, the scaler, the AmpOptimizer or None)."""
+    from mixprec.levels.optimizer import AmpOptimizer
+
+    if isinstance(optimizer, AmpOptimizer):
+        optimizer._scaling.flush()  # the deferred scale update belongs to the saved step
+        return optimizer.optimizer, scaler if scaler is not None else optimizer.scaler, optimizer
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise DistributedError(
+            f"expected a torch.optim.Optimizer or the AmpOptimizer mixprec.initialize returned, "
+            f"got {type(optimizer).__name__}."
+        )
+    return optimizer, scaler, None
+
+
+def _names(model: nn.Module, amp: Any) -> tuple[dict[str, torch.Tensor], dict[int, str]]:
+    """The model entries (fp32 masters for O2 weights) and the name of each stepped tensor."""
+    module = _unwrap(model)
+    pairs = [] if amp is None else zip(amp._low, amp._masters, strict=True)
+    master_of = {id(low): master for low, master in pairs}
+    entries: dict[str, torch.Tensor] = {}
+    name_of: dict[int, str] = {}
+    for name, p in module.named_parameters():
+        stepped = master_of.get(id(p), p)
+        name_of[id(stepped)] = name
+    for name, value in module.state_dict(keep_vars=True).items():
+        if isinstance(value, torch.Tensor):
+            value = master_of.get(id(value), value)
+            entries[name] = value.detach()
+    return entries, name_of
+
+
+def state_dict(
+    model: nn.Module, optimizer: Any, scaler: GradScaler | None = None
+) -> dict[str, Any]:
+    """The DCP-ready state dict of a mixprec training job (live tensors, no copies).
+
+    For composing with other entries in your own ``dcp.save({...})`` call. Reading the scaler
+    synchronises with the device.
+    """
+    inner, scaler, amp = _parts(optimizer, scaler)
+    entries, name_of = _names(model, amp)
+    stepped = [p for g in inner.param_groups for p in g["params"]]
+    missing = [i for i, p in enumerate(stepped) if id(p) not in name_of]
+    if missing:
+        raise DistributedError(
+            f"the optimizer steps {len(missing)} tensor(s) that are not parameters of this model "
+            f"(the first is parameter {missing[0]} of its param groups); checkpoints name "
+            f"optimizer state by parameter name, so pass the model whose parameters it steps."
+        )
+    osd = inner.state_dict()
+    state = {name_of[id(stepped[i])]: dict(st) for i, st in osd["state"].items()}
+    groups = []
+    for group in osd["param_groups"]:
+        hyper = {k: _plain(v) for k, v in group.items() if k != "params"}
+        hyper["params"] = [name_of[id(stepped[i])] for i in group["params"]]
+        groups.append(hyper)
+    level = amp.options.level.value if amp is not None else None
+    return {
+        "model": entries,
+        "optimizer": {"state": state, "param_groups": json.dumps(groups)},
+        "scaler": json.dumps(scaler.state_dict() if scaler is not None else {}),
+        "meta": json.dumps({"format": FORMAT, "opt_level": level}),
+    }
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.item()  # a device lr: saved as a float (one sync, at checkpoint time)
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+def save_checkpoint(
+    checkpoint_id: str, model: nn.Module, optimizer: Any, scaler: GradScaler | None = None,
+    **dcp_kwargs: Any,
+) -> None:  # fmt: skip
+    """Save model, optimizer (masters included) and scaler with ``torch.distributed.checkpoint``.
+
+    Call it on every rank (it is collective when a process group exists; it also runs in a
+    single process without one). `dcp_kwargs` go to ``dcp.save`` (``process_group``,
+    ``storage_writer``, ...). Synchronises with the device (it reads the scale).
+    """
+    import torch.distributed.checkpoint as dcp
+
+    with _single_process(dcp_kwargs):
+        dcp.save({_KEY: state_dict(model, optimizer, scaler)}, checkpoint_id=checkpoint_id,
+                 **dcp_kwargs)  # fmt: skip
+
+
+def load_checkpoint(
+    checkpoint_id: str, model: nn.Module, optimizer: Any, scaler: GradScaler | None = None,
+    **dcp_kwargs: Any,
+) -> None:  # fmt: skip
+    """Load what `save_checkpoint` wrote, resharding to this job's layout; all-or-nothing.
+
+    Call it on every rank. Cost: one extra copy of the model and optimizer state (this rank's
+    shards) while DCP reads.
+
+    Raises:
+        DistributedError: the checkpoint does not fit (another opt level, other parameter
+            names, a scaler setting that differs); nothing was changed.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    inner, scaler, amp = _parts(optimizer, scaler)
+    created = _materialize(inner)
+    try:
+        live = state_dict(model, optimizer, scaler)
+        target = _map(live, _fresh)
+        try:
+            with _single_process(dcp_kwargs):
+                dcp.load({_KEY: target}, checkpoint_id=checkpoint_id, **dcp_kwargs)
+        except (Exception, CheckpointException) as err:  # planned (names, shapes) before reading
+            raise DistributedError(
+                f"the checkpoint at {checkpoint_id!r} does not fit this model and optimizer "
+                f"(nothing was changed): {_cause(err)}"
+            ) from err
+        loaded_scaler = _check(live, target, scaler)
+    except BaseException:
+        if created:
+            inner.state.clear()  # the state was created only to give DCP tensors to fill
+        raise
+    _commit(live, target, inner, scaler, loaded_scaler, amp)
+
+
+def _cause(err: BaseException) -> str:
+    """The first rank's own error inside DCP's CheckpointException (which lists every rank's)."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, (exc, _) = next(iter(sorted(failures.items())))
+        return f"{type(exc).__name__} on rank {rank}: {exc}"
+    return f"{type(err).__name__}: {err}"
+
+
+@contextlib.contextmanager
+def _single_process(dcp_kwargs: dict[str, Any]) -> Iterator[None]:
+    """Without a process group, run DCP in one process, and drop its warning that it does."""
+    with warnings.catch_warnings():
+        if not is_initialized():
+            dcp_kwargs.setdefault("no_dist", True)
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _map(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if isinstance(tree, dict):
+        return {k: _map(v, fn) for k, v in tree.items()}
+    return tree
+
+
+def _fresh(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(t)  # a DTensor for a DTensor: DCP reads this rank's shard into it
+
+
+def _materialize(inner: torch.optim.Optimizer) -> bool:
+    """Create the optimizer's state (a step with zero gradients and lr 0) so DCP has targets.
+
+    Returns whether it did. Gradients and learning rates are put back as they were.
+    """
+    if inner.state:
+        return False
+    params = [p for g in inner.param_groups for p in g["params"] if p.requires_grad]
+    grads = [p.grad for p in params]
+    lrs = [g.get("lr") for g in inner.param_groups]
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for g in inner.param_groups:
+            if isinstance(g.get("lr"), torch.Tensor):
+                g["lr"] = torch.zeros_like(g["lr"])
+            elif "lr" in g:
+                g["lr"] = 0.0
+        inner.step()
+    finally:
+        for p, grad in zip(params, grads, strict=True):
+            p.grad = grad
+        for g, lr in zip(inner.param_groups, lrs, strict=True):
+            if lr is not None:
+                g["lr"] = lr
+    return bool(inner.state)
+
+
+def _check(live: dict[str, Any], loaded: dict[str, Any], scaler: GradScaler | None) -> dict:
+    meta, mine = json.loads(loaded["meta"]), json.loads(live["meta"])
+    if meta.get("format") != FORMAT:
+        raise DistributedError(
+            f"not a mixprec checkpoint (format {meta.get('format')!r}, expected {FORMAT!r}); "
+            f"nothing was changed."
+        )
+    if meta.get("opt_level") != mine.get("opt_level"):
+        raise DistributedError(
+            f"the checkpoint was saved at opt level {meta.get('opt_level')!r}, this job runs "
+            f"{mine.get('opt_level')!r}: initialize (or mixprec.fully_shard) with the same level. "
+            f"Nothing was changed."
+        )
+    theirs, ours = (
+        json.loads(loaded["optimizer"]["param_groups"]),
+        json.loads(live["optimizer"]["param_groups"]),
+    )
+    if [g["params"] for g in theirs] != [g["params"] for g in ours]:
+        raise DistributedError(
+            "the checkpoint's optimizer param groups name other parameters than this "
+            "optimizer's (build the optimizer over the same parameters, in the same groups); "
+            "nothing was changed."
+        )
+    fields = json.loads(loaded["scaler"])
+    if bool(fields) != (scaler is not None and scaler.is_enabled()):
+        raise DistributedError(
+            "the checkpoint's loss-scaling setting differs from this job's (one has an enabled "
+            "scaler, the other not); use the same opt level and loss_scale. Nothing was changed."
+        )
+    if fields:
+        assert scaler is not None
+        GradScaler(scaler._device, enabled=True).load_state_dict(fields)  # validates only
+    return fields
+
+
+def _commit(live, loaded, inner, scaler, scaler_fields, amp) -> None:
+    with torch.no_grad():
+        for name, dst in live["model"].items():
+            dst.copy_(loaded["model"][name])
+        if amp is not None and amp._low:
+            torch._foreach_copy_(amp._low, amp._masters)  # low-precision weights from masters
+    order = [n for g in json.loads(live["optimizer"]["param_groups"]) for n in g["params"]]
+    index = {name: i for i, name in enumerate(order)}  # torch's format: state by position
+    groups = []
+    for current, saved in zip(inner.param_groups, json.loads(loaded["optimizer"]["param_groups"]),
+                              strict=True):  # fmt: skip
+        group = {k: _into(k, current.get(k), v) for k, v in saved.items() if k != "params"}
+        group["params"] = [index[name] for name in saved["params"]]
+        groups.append(group)
+    state = {index[name]: st for name, st in loaded["optimizer"]["state"].items()}
+    inner.load_state_dict({"state": state, "param_groups": groups})
+    if scaler is not None and scaler_fields:
+        scaler.load_state_dict(scaler_fields)
+    if amp is not None:
+        amp._scaling.pending = False
+
+
+# How this job runs its optimizer (not what it learned): kept from the live optimizer.
+_RUNTIME_FLAGS = ("foreach", "fused", "capturable", "differentiable")
+
+
+def _into(key: str, current: Any, saved: Any) -> Any:
+    if key in _RUNTIME_FLAGS:
+        return current
+    # A device tensor (an lr TrainStep moved to the GPU) keeps its identity: fill it.
+    if isinstance(current, torch.Tensor):
+        current.fill_(saved)
+        return current
+    if isinstance(current, tuple) and isinstance(saved, list):
+        return tuple(saved)
+    return saved
