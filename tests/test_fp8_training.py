@@ -346,3 +346,29 @@ def test_fp8_training_tracks_bf16_on_the_seed_mlp_and_gpt(recipe, task, bf16_run
     assert start == pytest.approx(ref_start, rel=0.05)
     assert end < 0.8 * start  # it learned
     assert abs(end - ref_end) <= tol * ref_end, (end, ref_end)
+
+
+def test_the_fp8_step_makes_no_tensor_from_host_data():
+    # A CUDA graph cannot record a host-to-device copy of Python values (torch.tensor(list)
+    # on the device): the FP8 forward, backward and update must build every tensor on the
+    # device. On the CPU such a tensor shows up as aten.lift_fresh.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(func._overloadpacket)
+            return func(*args, **(kwargs or {}))
+
+    for recipe in RECIPES:
+        model = _mlp()
+        mixprec.to_fp8(model, recipe)
+        model(torch.randn(4, 16)).sum().backward()  # first call: lazy set-up, probes
+        with Ops() as ops:
+            model(torch.randn(4, 16)).sum().backward()
+            mixprec.fp8_update(model, skipped=torch.zeros(()))
+        assert torch.ops.mixprec.fp8_linear in ops.seen
+        assert torch.ops.aten.lift_fresh not in ops.seen, recipe

@@ -85,7 +85,11 @@ def update_history(
     new_history = torch.where(seen.unsqueeze(-1), rolled, history)
     most_recent = recipe.amax_compute == "most_recent"
     window = new_history[..., 0] if most_recent else new_history.amax(dim=-1)
-    fmax = torch.tensor(operand_max(recipe), dtype=torch.float32, device=history.device)
+    # fmax per operand, built with fills: a tensor made from host values would be a
+    # host-to-device copy, which a CUDA graph cannot record.
+    e4m3, _, grad = operand_max(recipe)
+    fwd = torch.full_like(window[..., :2], e4m3)
+    fmax = torch.cat([fwd, torch.full_like(window[..., 2:], grad)], dim=-1)
     fresh = scale_from_amax(window, fmax, recipe.power_of_two) / 2.0**recipe.margin
     new_scale = torch.where(seen & (window > 0), fresh, scale)
     return Fp8State(new_history, new_scale)
