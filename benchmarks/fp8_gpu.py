@@ -294,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
             if "step" in parts else [])  # fmt: skip
     loss = (bench_loss(device, loss_cfg, batch, loss_steps, seeds, recipes, args.level)
             if "loss" in parts else [])  # fmt: skip
-    meta = {**metadata(device), "smoke": args.smoke, "level": args.level}
+    meta = {**metadata(device), "smoke": args.smoke, "level": args.level,
+            "command": " ".join(["python", "benchmarks/fp8_gpu.py", *sys.argv[1:]])}  # fmt: skip
     result = {"meta": meta, "gemm": gemm, "step": step, "loss": loss,
               "goals": goals(gemm, step, loss)}  # fmt: skip
     if args.smoke:

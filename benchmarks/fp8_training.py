@@ -161,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     print(render(rows))
     if args.json:
         meta = metadata("cpu")
-        meta.update(steps=args.steps, seeds=args.seeds, tail=TAIL)
+        meta.update(command=" ".join(["python", "benchmarks/fp8_training.py", *sys.argv[1:]]),
+                    steps=args.steps, seeds=args.seeds, tail=TAIL)  # fmt: skip
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "summary": rows, "records": records}, f, indent=1)
     return 0
