@@ -372,3 +372,19 @@ def test_the_fp8_step_makes_no_tensor_from_host_data():
             mixprec.fp8_update(model, skipped=torch.zeros(()))
         assert torch.ops.mixprec.fp8_linear in ops.seen
         assert torch.ops.aten.lift_fresh not in ops.seen, recipe
+
+
+def test_a_layer_with_large_fp8_error_is_reported_with_the_edit_that_keeps_it_out():
+    model = nn.Sequential(nn.Linear(32, 32))
+    mixprec.to_fp8(model, "tensorwise", policy="fp8=all")
+    with torch.no_grad():
+        model[0].weight[:, 0] = 0.0  # input feature 0 does not reach the output ...
+    x = torch.randn(64, 32)
+    x[:, 0] = 1e5  # ... but sets the tensorwise scale: the other inputs fall below e4m3's range
+    report = mixprec.explain(model, x, device_type="cpu").fp8
+    (layer,) = report.layers
+    assert layer.large_error and layer.error > 0.1
+    assert report.suggestions() == [
+        f"0: FP8 error {layer.error:.1%} > 10%; keep it in the low dtype with policy.fp8('!0')"
+    ]
+    assert "suggested: 0: FP8 error" in str(report)
