@@ -17,6 +17,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import mixprec
@@ -231,6 +233,23 @@ def test_policy_module_rules_round_trip_and_explain_their_decisions():
         mixprec.Policy().fp8("blocks 1")
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    edits=st.lists(st.tuples(st.sampled_from(["fp32", "lower", "promote"]),
+                             st.sampled_from(["softmax", "mm", "gelu"])), max_size=3),
+    rules=st.lists(st.tuples(st.booleans(), st.sampled_from(["auto", "all", "head", "blocks.*.fc",
+                                                             "blocks.?.attn.*"])), max_size=4),
+)  # fmt: skip
+def test_module_rules_round_trip_with_op_edits(edits, rules):
+    p = mixprec.Policy(compute="bf16")
+    for cat, op in edits:
+        p = p.move(op, to=cat)
+    for keep_out, sel in rules:
+        p = p.fp8(("!" if keep_out else "") + sel)
+    assert mixprec.Policy.from_string(str(p)) == p
+    assert ("fp8=" in str(p)) == bool(rules)
+
+
 def test_explain_shows_fp8_layers_with_reason_scales_and_error():
     model = GPT(GPTConfig.tiny())
     plan = mixprec.explain(model, torch.randint(0, 512, (2, 16)), device_type="cpu",
@@ -388,3 +407,21 @@ def test_a_layer_with_large_fp8_error_is_reported_with_the_edit_that_keeps_it_ou
         f"0: FP8 error {layer.error:.1%} > 10%; keep it in the low dtype with policy.fp8('!0')"
     ]
     assert "suggested: 0: FP8 error" in str(report)
+
+
+@pytest.mark.compile
+def test_compiled_fp8_trainstep_equals_its_eager_steps():
+    # TrainStep(compile=...) under O1 re-traces model and loss through mixprec's graph backend;
+    # the FP8 ops are single nodes there, their state updates included.
+    batches = _batches(4)
+    runs = []
+    for compile_arg in (False, {"backend": "aot_eager"}):
+        model = _mlp()
+        step = mixprec.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05),
+                                 F.cross_entropy, opt_level="O1", dtype="bf16", fp8="delayed",
+                                 compile=compile_arg, capture="eager")  # fmt: skip
+        losses = [step(x, y) for x, y in batches]
+        runs.append((losses, _fp8_state(model), [p.detach() for p in model.parameters()]))
+    (ref, ref_state, ref_params), (got, state, params) = runs
+    assert _bitwise(ref, got) and _bitwise(ref_state, state) and _bitwise(ref_params, params)
+    assert int((state[0][0] > 0).sum()) == len(batches)  # the history advanced every step
