@@ -142,7 +142,10 @@ def test_decisions_carry_reasons():
 
 _OPS = ["softmax", "layer_norm", "mm", "gelu", "exp", "cat", "mylib::attn"]
 _edit = st.tuples(
-    st.sampled_from([c.value for c in OpCategory if c is not OpCategory.FP32_OUTPUT]),
+    # FP32_OUTPUT takes op names only; FP8 is for layers (Policy.fp8), not ops.
+    st.sampled_from(
+        [c.value for c in OpCategory if c not in (OpCategory.FP32_OUTPUT, OpCategory.FP8)]
+    ),
     st.lists(st.sampled_from(_OPS), min_size=1, max_size=3),
     st.sampled_from([None, "cuda", "cpu"]),
     st.sampled_from([None, "bf16", "fp16"]),
@@ -271,7 +274,7 @@ def test_string_form_misspelled_key_suggests_the_key():
         Policy.from_string("compte=bf16")
     assert str(err.value).startswith(
         "unknown policy key 'compte'. Did you mean 'compute' or 'promote'? Valid policy keys: "
-        "'banned', 'compute', 'fp32', 'fp32_output', 'lower', 'passthrough', 'promote' or "
+        "'banned', 'compute', 'fp32', 'fp32_output', 'fp8', 'lower', 'passthrough', 'promote' or "
         "'table'. In 'compte=bf16', the part before '=' is 'compute', 'table' or an op category"
     )
     with pytest.raises(mixprec.PolicyError, match="Did you mean 'table'\\?"):

@@ -14,6 +14,7 @@ EXPECTED = [
     "ScalerConfigError", "ScalerStateError", "SkipAwareLR", "TrainStep", "TrainStepError",
     "ExplainReport", "NonFiniteEvent", "ScaleHistory", "UnderflowReport", "explain",
     "grad_underflow", "scale_history", "watch_nonfinite",
+    "Fp8Recipe", "Fp8Report", "fp8_report", "fp8_update", "to_fp8",
     "__version__", "autocast", "checkpoint_context", "custom_bwd", "custom_fwd", "default_dtype",
     "describe", "fully_shard", "load_checkpoint", "save_checkpoint",
     "float_function", "get_autocast_dtype", "get_autocast_policy", "half_function", "initialize",

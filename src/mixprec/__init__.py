@@ -31,6 +31,7 @@ from mixprec.eager import (
     promote_function,
 )
 from mixprec.errors import AutocastError, BannedOpError, MixprecError, PolicyError
+from mixprec.fp8 import Fp8Recipe, Fp8Report, fp8_report, fp8_update, to_fp8
 from mixprec.graph import AmpBackend, CastReport, compile
 from mixprec.levels import (
     AmpOptimizer,
@@ -62,6 +63,8 @@ __all__ = [
     "Decision",
     "DistributedError",
     "ExplainReport",
+    "Fp8Recipe",
+    "Fp8Report",
     "GradScaler",
     "MixprecError",
     "NonFiniteEvent",
@@ -88,6 +91,8 @@ __all__ = [
     "describe",
     "explain",
     "float_function",
+    "fp8_report",
+    "fp8_update",
     "fully_shard",
     "get_autocast_dtype",
     "get_autocast_policy",
@@ -101,6 +106,7 @@ __all__ = [
     "save_checkpoint",
     "scale_history",
     "scale_loss",
+    "to_fp8",
     "update_scale",
     "watch_nonfinite",
 ]

@@ -11,7 +11,13 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["capturing", "dynamo_tracing", "local_tensor", "mark_constant_result"]
+__all__ = [
+    "capturing",
+    "dynamo_tracing",
+    "local_tensor",
+    "mark_constant_result",
+    "scaled_mm_available",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -52,3 +58,32 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():  # to_local() then returns the local tensor itself, not a view
             return tensor.to_local()
     return tensor
+
+
+_SCALED_MM: dict[tuple[str, int | None], bool] = {}
+
+
+def scaled_mm_available(device: torch.device) -> bool:
+    """Whether ``torch._scaled_mm`` runs FP8 operands on `device` (cached per device).
+
+    CUDA: compute capability 8.9 (Ada) or newer, decided from the capability alone so that no
+    kernel runs (this may be asked while a CUDA graph records). Other devices: one tiny
+    ``_scaled_mm`` is tried the first time (torch 2.13 runs it on the CPU; older builds may not).
+    Where it is unavailable, mixprec's FP8 matmuls are emulated (same quantisation, fp32 matmul).
+    """
+    key = (device.type, device.index)
+    known = _SCALED_MM.get(key)
+    if known is not None:
+        return known
+    ok = hasattr(torch, "_scaled_mm")
+    if ok and device.type == "cuda":
+        ok = torch.cuda.get_device_capability(device) >= (8, 9)
+    elif ok:
+        try:
+            a = torch.zeros(16, 16, device=device).to(torch.float8_e4m3fn)
+            one = torch.ones((), device=device)
+            torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        except (RuntimeError, NotImplementedError, TypeError):
+            ok = False
+    _SCALED_MM[key] = ok
+    return ok

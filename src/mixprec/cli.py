@@ -528,12 +528,15 @@ def _policy(args: argparse.Namespace) -> int:
         return 0
     resolved = policy.resolve(args.device, choice.dtype)
     for cat in OpCategory:
-        if cat is OpCategory.PASSTHROUGH:
+        if cat in (OpCategory.PASSTHROUGH, OpCategory.FP8):
             continue
         names = sorted(n for n, c in resolved.ops.items() if c is cat)
         print(f"\n{cat.value} ({len(names)} ops): {cat.summary}")
         print("  " + ", ".join(names) if names else "  (none)")
     print("\nEvery other op runs in its input dtype (passthrough).")
+    if policy.modules:
+        rules = "+".join(map(str, policy.modules))
+        print(f"\nfp8 (linear layers, where FP8 is on): {OpCategory.FP8.summary}\n  rules: {rules}")
     return 0
 
 

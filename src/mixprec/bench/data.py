@@ -17,7 +17,7 @@ import torch
 
 from mixprec.errors import MixprecError
 
-__all__ = ["DATASETS", "DataError", "Dataset", "load"]
+__all__ = ["DATASETS", "DataError", "Dataset", "load", "token_stream"]
 
 #: The forms ``--data`` accepts.
 DATASETS = ("digits", "synthetic", "cifar10:PATH")
@@ -127,3 +127,29 @@ def load(spec: str) -> Dataset:
         f"unknown data set {spec!r}. Valid: 'digits' (scikit-learn's bundled digits, the "
         f"default), 'synthetic', or 'cifar10:PATH' (a folder with CIFAR-10's python batches)."
     )
+
+
+def token_stream(
+    vocab: int, batch: int, seq: int, steps: int, seed: int = 0, branching: int = 4
+) -> list[torch.Tensor]:
+    """`steps` batches of (batch, seq) tokens from a fixed random Markov chain, for language
+    models: each token is followed by one of `branching` successors (chosen once, with random
+    probabilities), so next-token loss can fall from ln(vocab) towards the chain's entropy.
+
+    The chain depends only on `vocab` and `branching` (it is drawn from seed 0); the batches on
+    `seed`, so runs with different seeds see different samples of the same language.
+    """
+    g = torch.Generator().manual_seed(0)
+    successors = torch.randint(0, vocab, (vocab, branching), generator=g)
+    probs = torch.softmax(torch.randn(vocab, branching, generator=g) * 2, dim=1)
+    g.manual_seed(seed + 1)
+    out = []
+    for _ in range(steps):
+        tokens = torch.empty(batch, seq, dtype=torch.long)
+        tokens[:, 0] = torch.randint(0, vocab, (batch,), generator=g)
+        for t in range(1, seq):
+            prev = tokens[:, t - 1]
+            pick = torch.multinomial(probs[prev], 1, generator=g).squeeze(1)
+            tokens[:, t] = successors[prev, pick]
+        out.append(tokens)
+    return out

@@ -36,8 +36,11 @@ from mixprec.eager.rules import (
     Rule,
 )
 from mixprec.errors import MixprecError
+from mixprec.fp8.convert import fp8_layers
+from mixprec.fp8.report import Fp8Report, fp8_report
 from mixprec.policy.categories import OpCategory
 from mixprec.policy.entrypoints import op_name
+from mixprec.policy.modules import ModuleDecision
 from mixprec.policy.policy import Policy
 
 if TYPE_CHECKING:
@@ -46,6 +49,7 @@ if TYPE_CHECKING:
 __all__ = ["ExplainDeviceError", "ExplainReport", "explain"]
 
 _LOW_NAMES = (dtype_name(torch.float16), dtype_name(torch.bfloat16))
+_FP8_OP = "mixprec::fp8_linear"
 _FP32_NAME = dtype_name(torch.float32)
 
 
@@ -55,6 +59,10 @@ def _flop_registry() -> dict[Any, Any]:
     except ImportError:  # pragma: no cover - present in every supported torch
         return {}
     return flop_registry
+
+
+def _fp8_packet() -> Any:
+    return torch.ops.mixprec.fp8_linear  # registered by mixprec.fp8 (imported with mixprec)
 
 
 def _name(func: Any) -> str:
@@ -86,7 +94,11 @@ class _Flops(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         count = self.registry.get(func._overloadpacket)
-        if count is not None:
+        if func._overloadpacket is _fp8_packet():  # an FP8 layer's forward GEMM: x (M,K), w (N,K)
+            x, w = args[0], args[1]
+            phase = self.current if self.phase == "forward" else self.backward
+            phase["fp8"] += 2 * x.shape[0] * x.shape[1] * w.shape[0]
+        elif count is not None:
             ins = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
             floating = [t.dtype for t in ins if t.is_floating_point()]
             key = dtype_name(floating[0]) if floating else "other"
@@ -143,6 +155,7 @@ class _Recorder(AutocastMode):
         self.edges: list[tuple[int, int, str, str, int]] = []  # producer, row, from, to, bytes
         self._reasons: dict[tuple[Any, ...], str] = {}
         self._busy = False
+        self.fp8_reasons: dict[str, str] = {}  # FP8 layer name -> why the policy chose FP8
 
     def _reason(self, name: str, category: str, func: Any, rule: Any, args: tuple) -> str:
         # The region in force decides (a model may open its own, e.g. an O1 model's policy).
@@ -207,6 +220,9 @@ class _Recorder(AutocastMode):
             outputs=_dtypes(out),
             flops=dict(flops.current) if flops is not None else {},
         )
+        if name == _FP8_OP:  # an FP8 layer's matmul: decided per layer by the FP8 module rules
+            row.category = OpCategory.FP8.value
+            row.reason = self.fp8_reasons.get(row.module, OpCategory.FP8.summary)
         if category == OpCategory.FP32_OUTPUT.value and seen.get("kwargs", {}).get("dtype"):
             row.ran_in = [f"{_FP32_NAME}-acc"]  # upcast inside the kernel, no copy
         self._note_casts(row, args, kwargs, seen, cached_before, out)
@@ -306,6 +322,8 @@ class ExplainReport:
         if backward:
             self.flops["backward"] = dict(flops.backward)
         self.ping_pong = _ping_pong(recorder)
+        self.fp8: Fp8Report | None = None  # FP8 layers: scales, amaxes, error on this batch
+        self.fp8_plan: tuple[ModuleDecision, ...] = ()  # FP8 rules of a model not yet converted
 
     # ---- summaries
     @property
@@ -319,12 +337,14 @@ class ExplainReport:
         return sum(r["cast_bytes"] for r in self.rows)
 
     def low_precision_share(self, phase: str = "forward") -> float | None:
-        """Fraction of matmul/convolution FLOPs that ran in fp16/bf16 (None: no such op ran)."""
+        """Fraction of matmul/convolution FLOPs that ran in fp16/bf16 or FP8 (None: no such op
+        ran). FP8 layers' forward GEMMs count as ``'fp8'`` in `flops` (their backward GEMMs run
+        inside one op and are not counted)."""
         counts = self.flops.get(phase, {})
         total = sum(counts.values())
         if not total:
             return None
-        return sum(v for k, v in counts.items() if k in _LOW_NAMES) / total
+        return sum(v for k, v in counts.items() if k in (*_LOW_NAMES, "fp8")) / total
 
     def summary(self) -> dict[str, Any]:
         """The headline numbers, as Python values."""
@@ -341,6 +361,7 @@ class ExplainReport:
                 1 for r in self.rows for c in r["cast_detail"] if c["weight"] and not c["cached"]
             ),
             "ping_pong": len(self.ping_pong),
+            "fp8_layers": len(self.fp8) if self.fp8 is not None else 0,
             "low_precision_flop_share": {p: self.low_precision_share(p) for p in self.flops},
         }
 
@@ -408,6 +429,16 @@ class ExplainReport:
             lines.append("ping-pong (low -> fp32 -> low; each costs two casts):")
             for p in self.ping_pong:
                 lines.append(f"  {p['path']}  ({_bytes(p['bytes'])})")
+        if self.fp8 is not None:
+            lines += ["", str(self.fp8)]
+            lines += [f"  {layer.module}: {layer.reason}" for layer in self.fp8]
+        if self.fp8_plan:
+            lines += [
+                "",
+                "FP8 plan of the policy's rules (not applied: the model has no FP8 layers; "
+                "mixprec.to_fp8 or initialize(..., fp8=...) converts it):",
+            ]
+            lines += [f"  {d}" for d in self.fp8_plan]
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -530,6 +561,12 @@ def explain(
         policy: a `mixprec.Policy` or its string form (default: torch.autocast's lists).
         backward: also run a backward pass from the sum of the outputs and count its FLOPs per
             dtype (backward ops follow the forward's dtypes; they are not rows).
+
+    FP8 layers (`mixprec.to_fp8`) appear as rows of category ``fp8`` with the reason their
+    module rule gave, and ``report.fp8`` lists each layer's scales, amaxes and the relative
+    error of its output on this batch against fp32 (measured for this forward only). For a
+    model not converted yet, a policy with FP8 rules gets ``report.fp8_plan``: which layers
+    the rules would put in FP8, and why.
         forward_kwargs: keyword arguments of the forward.
 
     Returns:
@@ -567,6 +604,11 @@ def explain(
         policy = Policy.from_string(policy)
     region = autocast(device_type, dtype=dtype, policy=policy)
     recorder = _Recorder(region.policy)
+    layers = fp8_layers(model)
+    recorder.fp8_reasons = {name: layer.fp8_reason for name, layer in layers}
+    measuring = [layer.measure_error for _, layer in layers]
+    for _, layer in layers:
+        layer.measure_error = True  # this forward also records each FP8 layer's error
     flops = _Flops()
     recorder.flops = flops
     stack = _ModuleStack(model, recorder.modules)
@@ -589,4 +631,11 @@ def explain(
                 torch.autograd.backward([t.float().sum() for t in leaves])
     finally:
         stack.remove()
-    return ExplainReport(recorder, device_type, region.dtype, flops, backward)
+        for (_, layer), was in zip(layers, measuring, strict=True):
+            layer.measure_error = was
+    report = ExplainReport(recorder, device_type, region.dtype, flops, backward)
+    if layers:
+        report.fp8 = fp8_report(model)
+    elif region.policy is not None and region.policy.modules:
+        report.fp8_plan = region.policy.plan_fp8(model)
+    return report

@@ -96,9 +96,18 @@ class NonFiniteEvent:
         )
 
 
+# FP8 tensors: saturated by construction (no inf), and reductions over them are not supported;
+# the tensors they were quantised from are checked instead.
+_FP8_DTYPES = frozenset(
+    getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                      "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, name)
+)  # fmt: skip
+
+
 def _floats(value: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(value)[0]
-            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]  # fmt: skip
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()
+            and t.dtype not in _FP8_DTYPES]  # fmt: skip
 
 
 _aten = torch.ops.aten
@@ -147,6 +156,9 @@ class watch_nonfinite:
             (every ``check_every`` updates, when it reads its counters anyway) is diagnosed and
             appended to `skips`.
         history: steps whose records stay on the device for `events`/`skips`.
+        fp8_error: while the watch is active, FP8 layers (`mixprec.to_fp8`) also record the
+            relative error of each output against fp32 (one fp32 matmul per layer and
+            forward); `fp8()` reports it with the layers' scales and amaxes.
 
     Example::
 
@@ -167,6 +179,7 @@ class watch_nonfinite:
         ops: bool = True,
         attach: Any = None,
         history: int = 256,
+        fp8_error: bool = False,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"watch_nonfinite needs a torch.nn.Module, got {type(model).__name__}.")
@@ -196,6 +209,8 @@ class watch_nonfinite:
         self._op_mode: _OpChecks | None = None
         self._remove_listener: Callable[[], None] | None = None
         self._update_at_start = 0
+        self._fp8_error = fp8_error
+        self._fp8_was: list[tuple[Any, bool]] = []
 
     # ------------------------------------------------------------------ enter / exit
     def __enter__(self) -> watch_nonfinite:
@@ -216,6 +231,12 @@ class watch_nonfinite:
             self._op_mode.__enter__()
         if self._scaler is not None:
             self._remove_listener = self._scaler.add_skip_listener(self._on_skip)
+        if self._fp8_error:
+            from mixprec.fp8.convert import fp8_layers
+
+            self._fp8_was = [(m, m.measure_error) for _, m in fp8_layers(self.model)]
+            for m, _ in self._fp8_was:
+                m.measure_error = True
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -230,6 +251,16 @@ class watch_nonfinite:
             self._remove_listener()
             self._remove_listener = None
         _ACTIVE.pop(self.model, None)
+        for m, was in self._fp8_was:
+            m.measure_error = was
+        self._fp8_was = []
+
+    def fp8(self) -> Any:
+        """The model's FP8 layers: scales in use, amaxes, and (with ``fp8_error=True``) the
+        relative error of the last output against fp32. A `mixprec.Fp8Report`; one host sync."""
+        from mixprec.fp8.report import fp8_report
+
+        return fp8_report(self.model)
 
     def __repr__(self) -> str:
         return f"<watch_nonfinite {type(self.model).__name__} steps={len(self._step_meta)}>"

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from mixprec.errors import MixprecError, PolicyError
+from mixprec.fp8.convert import fp8_layers, to_fp8
 from mixprec.levels.model import AmpHooks, cast_model
 from mixprec.levels.optimizer import AmpOptimizer, LossScaling, build_inner
 from mixprec.levels.presets import AmpOptions, OptLevel, resolve
@@ -58,8 +59,10 @@ def initialize(
         dtype: the low dtype; default fp16 on CUDA, bf16 on CPU.
         overrides: Apex's option names (``cast_model_type``, ``keep_batchnorm_fp32``,
             ``master_weights``, ``loss_scale``, ``min_loss_scale``, ``max_loss_scale``,
-            ``cast_model_outputs``, ``patch_torch_functions``) plus ``num_losses`` and
-            ``policy`` (the op policy for O1's autocast).
+            ``cast_model_outputs``, ``patch_torch_functions``) plus ``num_losses``,
+            ``policy`` (the op policy for O1's autocast, and its FP8 module rules) and ``fp8``
+            (an `Fp8Recipe` or its name: the policy's FP8 layers, by default every linear layer
+            with sizes multiple of 16 except the first and the last, become `Fp8Linear`s).
 
     Returns:
         ``model`` (inference), or ``(model, optimizer)``; lists where lists were given. The
@@ -86,6 +89,12 @@ def initialize(
         wrapping.model_kind(model, options, overrides, optimizers is not None)
         for model in model_list
     ]
+    if options.fp8 is not None and "sharded" in kinds:
+        raise PolicyError(
+            "FP8 layers are not supported on a model sharded by mixprec.fully_shard yet (the FP8 "
+            "matmuls take whole weights, FSDP2 shards them). Train the sharded model without "
+            "fp8=..., or an unsharded (or DDP) model with it."
+        )
     # Everything that can be refused is checked before any model is changed, so a refused
     # argument leaves the models as they were (the scaler validates its own settings).
     opt_list = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
@@ -95,11 +104,21 @@ def initialize(
     scaler = _make_scaler(options) if optimizers is not None else None
     masters: dict[int, torch.Tensor] = {}
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (low-precision weight, its master)
-    for model, kind in zip(model_list, kinds, strict=True):
+    fp8: list[Any] = []  # the models' FP8 layers (fp8_update runs after each optimizer step)
+    for i, (model, kind) in enumerate(zip(model_list, kinds, strict=True)):
         if kind == "sharded":  # mixprec.fully_shard applied the level: FSDP's shards are masters
             continue
+        if options.fp8 is not None:
+            converted = to_fp8(model, options.fp8, options.policy)
+            if converted is not model:  # the model was one nn.Linear: return its replacement
+                model_list[i] = model = converted
+            fp8 += [layer for _, layer in fp8_layers(model)]
         pairs += _prepare_model(model, options, masters)
 
+    if isinstance(models, (list, tuple)) and any(
+        a is not b for a, b in zip(models, model_list, strict=True)
+    ):
+        models = type(models)(model_list)  # a model that was one nn.Linear was replaced
     if optimizers is None:
         return models if isinstance(models, (list, tuple)) else model_list[0]
     scaling = LossScaling(scaler)
@@ -108,9 +127,10 @@ def initialize(
         inner = _inner_optimizer(opt, masters, model_list)
         mine = {id(p) for g in inner.param_groups for p in g["params"]}
         own = [(low, m) for low, m in pairs if id(m) in mine]
-        wrapped.append(
-            AmpOptimizer(inner, options, scaling, [lo for lo, _ in own], [m for _, m in own])
-        )
+        # An FP8 layer advances with the optimizer that steps its weight (or its master).
+        layers = [f for f in fp8 if id(masters.get(id(f.weight), f.weight)) in mine]
+        lows, ms = [lo for lo, _ in own], [m for _, m in own]
+        wrapped.append(AmpOptimizer(inner, options, scaling, lows, ms, layers))
     for model, kind in zip(model_list, kinds, strict=True):
         if kind == "sharded":
             wrapping.find_hooks(model).optimized = True

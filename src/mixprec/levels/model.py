@@ -60,6 +60,12 @@ def cast_model(model: nn.Module, dtype: torch.dtype, keep_norm_fp32: bool) -> li
     """
     kept: list[nn.Module] = []
     skip: set[int] = set()
+    for module in model.modules():
+        # State a module declares fp32 (an FP8 layer's scales and amax histories).
+        for name in getattr(module, "mixprec_fp32_buffers", ()):
+            buf = module._buffers.get(name)
+            if buf is not None:
+                skip.add(id(buf))
     if keep_norm_fp32:
         for module in model.modules():
             if _is_norm(module):

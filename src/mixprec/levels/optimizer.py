@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from mixprec.errors import MixprecError
+from mixprec.fp8.convert import fp8_update
 from mixprec.levels.presets import AmpOptions
 from mixprec.scaling import checkpoint
 from mixprec.scaling.scaler import GradScaler, ScalerStateError
@@ -135,6 +136,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         scaling: LossScaling,
         low_params: list[torch.Tensor],
         masters: list[torch.Tensor],
+        fp8_layers: list[Any] | None = None,
     ) -> None:
         # Initialize Optimizer's bookkeeping (hooks, profiling names) on a placeholder, then
         # share the inner optimizer's groups, state and defaults (properties below: the inner
@@ -145,6 +147,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         self._scaling = scaling
         self._low = low_params  # model weights in the low dtype ...
         self._masters = masters  # ... and their fp32 masters, index for index
+        self._fp8 = list(fp8_layers or ())  # FP8 layers whose scales advance with this step
 
     # The inner optimizer's, always (torch's Optimizer.__init__ assigns placeholders first).
     def _shared(name: str) -> property:
@@ -235,6 +238,11 @@ class AmpOptimizer(torch.optim.Optimizer):
             result = scaler.step(self.optimizer)
             self._scaling.pending = True
             self._scaling.stepped.add(id(self))
+        if self._fp8:
+            # Histories and scales advance with the step, and stay as they were when the
+            # scaler skipped it (on the device: no sync).
+            skipped = scaler.step_skipped(self.optimizer) if scaler is not None else None
+            fp8_update(self._fp8, skipped)
         if self._low:
             with torch.no_grad():
                 torch._foreach_copy_(self._low, self._masters)

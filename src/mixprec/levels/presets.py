@@ -20,6 +20,7 @@ import torch
 
 from mixprec.dtypes import dtype_name, parse_device_type, parse_dtype, resolve_dtype
 from mixprec.errors import PolicyError, format_options, unknown_value
+from mixprec.fp8.recipe import Fp8Recipe
 from mixprec.policy.policy import Policy, as_policy
 
 __all__ = ["OVERRIDES", "AmpOptions", "OptLevel", "describe", "resolve"]
@@ -121,7 +122,7 @@ PRESETS: dict[OptLevel, _Preset] = {
 OVERRIDES = (
     "cast_model_type", "patch_torch_functions", "keep_batchnorm_fp32", "master_weights",
     "loss_scale", "min_loss_scale", "max_loss_scale", "cast_model_outputs", "num_losses",
-    "policy",
+    "policy", "fp8",
 )  # fmt: skip
 
 
@@ -156,6 +157,7 @@ class AmpOptions:
     num_losses: int
     policy: Policy
     options: tuple[Option, ...] = field(default=(), compare=False)
+    fp8: Fp8Recipe | None = None
     device_reason: str = field(default="", compare=False)
 
     @property
@@ -171,8 +173,16 @@ class AmpOptions:
     def __str__(self) -> str:
         preset = PRESETS[self.level]
         why = f" ({self.device_reason})" if self.device_reason else ""
-        lines = [preset.summary, "", preset.description, "",
-                 f"Resolved for {self.device_type} / {dtype_name(self.dtype)}{why}:"]  # fmt: skip
+        lines = [preset.summary, "", preset.description, ""]
+        if self.fp8 is not None:
+            lines += [
+                f"With FP8: the linear layers the policy's FP8 rules select run their three "
+                f"matmuls on scaled FP8 operands (recipe {self.fp8.summary()}); every other op "
+                f"as above. Scales live on the device and advance once per optimizer step "
+                f"(not on a skipped one).",
+                "",
+            ]
+        lines.append(f"Resolved for {self.device_type} / {dtype_name(self.dtype)}{why}:")
         lines += [f"  {opt}" for opt in self.options]
         return "\n".join(lines)
 
@@ -251,15 +261,59 @@ def resolve(
                    "losses are computed in fp32 on the model's outputs" if preset.cast_model_outputs
                    else "outputs stay in the dtype the model computed them in")  # fmt: skip
     num_losses = pick("num_losses", 1, "one loss, one scale")
-    policy = as_policy(pick("policy", None, "torch.autocast's op lists"), "the policy override")
+    policy = as_policy(pick("policy", Policy(), "torch.autocast's op lists"), "the policy override")
+    fp8, policy = _resolve_fp8(level, overrides, policy, opts)
 
     _check(level, low, model_type, patch, keep_bn, master, loss_scale, min_ls, max_ls,
            num_losses, policy, overrides)  # fmt: skip
     return AmpOptions(
         level, device_type, low, model_type, patch, bool(keep_bn), master, loss_scale,
         min_ls, max_ls, _parse_model_type(outputs, low) if outputs else None, num_losses, policy,
-        tuple(opts),
+        tuple(opts), fp8,
     )  # fmt: skip
+
+
+def _resolve_fp8(
+    level: OptLevel, overrides: dict[str, Any], policy: Policy, opts: list[Option]
+) -> tuple[Fp8Recipe | None, Policy]:
+    """The FP8 recipe (None: off) and the policy with its FP8 module rules, with reasons.
+
+    FP8 is on when ``fp8=`` names a recipe, or when the policy has FP8 module rules (then with
+    the ``tensorwise`` recipe); ``fp8=False`` turns it off whatever the policy says.
+    """
+    value = overrides.get("fp8")
+    rules = bool(policy.modules)
+    if value is False or (value is None and not rules):
+        why = "set by the caller" if value is False else "FP8 is opt-in (fp8='tensorwise', ...)"
+        opts.append(Option("fp8", None, why))
+        return None, policy
+    if level is OptLevel.O0:
+        raise PolicyError(
+            "O0 is the fp32 baseline and cannot run FP8 layers. Use opt_level='O1' or 'O2' with "
+            f"fp8={value if value is not None else 'tensorwise'!r} (bf16 elsewhere, fp32 masters "
+            "in O2)."
+        )
+    if value is None or value is True:
+        recipe = Fp8Recipe.named("tensorwise")
+        why = ("the policy selects FP8 layers (" + str(policy).split("fp8=")[-1] + ")"
+               if value is None else "fp8=True: the default recipe")  # fmt: skip
+    else:
+        recipe = Fp8Recipe.named(value)
+        why = "set by the caller"
+    opts.append(Option("fp8", recipe.summary(), why))
+    if not rules:
+        policy = policy.fp8("auto")
+        opts.append(
+            Option(
+                "fp8 layers",
+                "auto",
+                "every linear layer with sizes multiple of 16 "
+                "except the first and the last (policy.fp8(...) chooses others)",
+            )
+        )
+    else:
+        opts.append(Option("fp8 layers", "+".join(map(str, policy.modules)), "the policy's rules"))
+    return recipe, policy
 
 
 def _check(level, low, model_type, patch, keep_bn, master, loss_scale, min_ls, max_ls,

@@ -31,6 +31,10 @@ class OpCategory(str, enum.Enum):
             ops that mix tensors (cat, stack, addcmul, ...) and would otherwise fail or silently
             round an fp32 input.
         BANNED: refuse to run inside an autocast region, with the fix in the message.
+        FP8: a *module-level* category: the linear layers the policy's FP8 module rules select
+            run their matmuls (forward and both backward products) on scaled FP8 operands, e4m3
+            for inputs and weights, e5m2 or e4m3 for gradients, accumulating in fp32 (see
+            `mixprec.policy.modules` and `mixprec.Fp8Recipe`). Ops cannot be moved there.
         PASSTHROUGH: no cast; the op runs in whatever dtype its inputs have (the default for every
             op that no table names).
     """
@@ -40,6 +44,7 @@ class OpCategory(str, enum.Enum):
     FP32_OUTPUT = "fp32_output"
     PROMOTE = "promote"
     BANNED = "banned"
+    FP8 = "fp8"
     PASSTHROUGH = "passthrough"
 
     @classmethod
@@ -92,6 +97,8 @@ _SUMMARIES = {
     "without an fp32 copy of its input",
     OpCategory.PROMOTE: "mixes inputs: runs in the widest floating input dtype",
     OpCategory.BANNED: "unsafe to autocast: refused with a fix",
+    OpCategory.FP8: "linear layer in FP8: scaled e4m3/e5m2 operands on the FP8 tensor cores, "
+    "fp32 accumulation, a scale per tensor (or row) kept on the device",
     OpCategory.PASSTHROUGH: "precision-neutral: runs in its input dtype",
 }
 

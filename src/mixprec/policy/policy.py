@@ -13,7 +13,9 @@ String grammar (for command lines and sweeps)::
 - ``<category>[@<device>[/<dtype>]]=<op>+<op>...`` - move ops to a category, optionally only on
   one device type and dtype. An op is an aten name (``softmax``), a custom op (``mylib::op``) or
   the dotted import path of a function decorated with ``@mixprec.half_function`` & co.
-Edits apply in order; a later edit of the same op wins.
+- ``fp8=<selector>+<selector>...`` - FP8 module rules (`mixprec.policy.modules`): ``auto``,
+  ``all`` or a glob over module names puts linear layers in FP8, ``!<selector>`` keeps them out.
+Edits apply in order; a later edit of the same op (or layer) wins.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from mixprec.errors import PolicyError, unknown_value
 from mixprec.policy.categories import Decision, OpCategory
 from mixprec.policy.decompositions import COMPOSITES, Via
 from mixprec.policy.entrypoints import known_op_names, op_name
+from mixprec.policy.modules import ModuleDecision, ModuleRule, plan
 from mixprec.policy.tables import TABLES, OpTable
 
 __all__ = ["DEFAULT_POLICY", "Override", "Policy", "ResolvedPolicy", "Target", "as_policy"]
@@ -114,6 +117,9 @@ class Policy:
         table: name of the base table (``'cuda'``, ``'cpu'``, ``'xpu'``, ``'mps'``); None means
             the table of the region's device. Naming one lets you run e.g. the CUDA rules on CPU.
         overrides: ordered edits; build them with :meth:`move` rather than by hand.
+        modules: ordered FP8 module rules; build them with :meth:`fp8` (``'auto'``, a glob,
+            ``'!head'``). They take effect where FP8 is turned on (``initialize(..., fp8=...)``,
+            `mixprec.to_fp8`); a policy with rules turns it on by itself there.
 
     Examples:
         >>> p = Policy.from_string("compute=bf16").move("softmax", to="fp32")
@@ -126,6 +132,7 @@ class Policy:
     compute: torch.dtype | None = None
     table: str | None = None
     overrides: tuple[Override, ...] = ()
+    modules: tuple[ModuleRule, ...] = ()
 
     def __post_init__(self) -> None:
         # Normalise our own fields during construction (never a shared object).
@@ -143,6 +150,8 @@ class Policy:
                 f"Policy.from_string('fp32=...') instead."
             )
         object.__setattr__(self, "overrides", overrides)
+        rules = tuple(r if isinstance(r, ModuleRule) else ModuleRule.parse(r) for r in self.modules)
+        object.__setattr__(self, "modules", rules)
 
     # ----- identity for compiled dispatch tables -----
 
@@ -200,6 +209,13 @@ class Policy:
                 "Policy.move needs at least one op to move, e.g. move('softmax', to='fp32')."
             )
         category = OpCategory.parse(to)
+        if category is OpCategory.FP8:
+            raise PolicyError(
+                f"ops cannot be moved to 'fp8': FP8 is decided per linear layer (its scales and "
+                f"amax histories belong to the layer). Select layers with Policy.fp8('auto'), "
+                f"Policy.fp8('blocks.*.mlp.*') or keep one out with Policy.fp8('!head'); "
+                f"got move({', '.join(map(repr, targets))}, to='fp8')."
+            )
         dev = None if device_type is None else parse_device_type(device_type)
         dt = None if dtype is None else parse_dtype(dtype, low_only=True)
         new = tuple(Override(_normalize_target(t), category, dev, dt) for t in targets)
@@ -211,6 +227,34 @@ class Policy:
                     f"Use to='fp32' (cast its inputs) instead."
                 )
         return dataclasses.replace(self, overrides=self.overrides + new)
+
+    def fp8(self, *selectors: str) -> Policy:
+        """Return a policy with FP8 module rules appended (later rules win).
+
+        Args:
+            selectors: ``'auto'`` (every linear layer with sizes multiple of 16 except the first
+                and the last), ``'all'``, a glob over qualified module names
+                (``'blocks.*.attn.*'``), or ``'!<selector>'`` to keep layers out of FP8.
+
+        Examples:
+            >>> str(Policy().fp8("auto", "!blocks.0.*"))
+            'fp8=auto+!blocks.0.*'
+        """
+        if not selectors:
+            raise PolicyError(
+                "Policy.fp8 needs at least one selector, e.g. fp8('auto') or fp8('!head')."
+            )
+        new = tuple(ModuleRule.parse(s) for s in selectors)
+        return dataclasses.replace(self, modules=self.modules + new)
+
+    def plan_fp8(self, model: torch.nn.Module) -> tuple[ModuleDecision, ...]:
+        """Which linear layers of `model` the FP8 module rules put in FP8, each with its reason.
+
+        A policy without module rules is read as ``fp8=auto``, the default where FP8 is on.
+        """
+        from mixprec.policy.modules import DEFAULT_FP8_RULES
+
+        return plan(model, self.modules or DEFAULT_FP8_RULES)
 
     def with_compute(self, dtype: str | torch.dtype | None) -> Policy:
         """Return this policy with another compute dtype (None: the device default)."""
@@ -342,6 +386,13 @@ class Policy:
                 policy = policy.with_compute(None if value == "auto" else value)
             elif key == "table":
                 policy = policy.with_table(None if value == "auto" else value)
+            elif key.partition("@")[0].strip().lower() == "fp8":
+                if "@" in key:
+                    raise PolicyError(
+                        f"policy item {raw!r}: FP8 module rules apply on every device; write "
+                        f"'fp8=...' without a scope."
+                    )
+                policy = policy.fp8(*value.split("+"))
             else:
                 cat, _, scope = key.partition("@")
                 _parse_key(cat, raw)
@@ -377,6 +428,8 @@ class Policy:
             names.append(ov.target_name)
         if names:
             parts.append(f"{group_key[0].value}{group_key[1]}={'+'.join(names)}")
+        if self.modules:
+            parts.append("fp8=" + "+".join(str(r) for r in self.modules))
         return ",".join(parts) or "compute=auto"
 
     def __repr__(self) -> str:

@@ -1,0 +1,26 @@
+"""FP8 training: FP8 linear layers chosen by the policy, with recipes and sync-free scaling.
+
+- `recipe`: `Fp8Recipe`, the named recipes (tensorwise, delayed, rowwise);
+- `numerics`: amax, scales, saturating casts and the scaled matmul;
+- `ops`: ``mixprec::fp8_linear`` and its backward, as torch custom ops;
+- `state`: the delayed-scaling history and its pure, sync-free update;
+- `linear`: `Fp8Linear`, the module the policy's FP8 layers become;
+- `convert`: `to_fp8` (the module swap) and `fp8_update` (once per optimizer step);
+- `report`: `fp8_report`, per-layer scales, amaxes and FP8 error.
+"""
+
+from mixprec.fp8.convert import fp8_layers, fp8_update, to_fp8
+from mixprec.fp8.linear import Fp8Linear
+from mixprec.fp8.recipe import RECIPES, Fp8Recipe
+from mixprec.fp8.report import Fp8Report, fp8_report
+
+__all__ = [
+    "RECIPES",
+    "Fp8Linear",
+    "Fp8Recipe",
+    "Fp8Report",
+    "fp8_layers",
+    "fp8_report",
+    "fp8_update",
+    "to_fp8",
+]
