@@ -511,3 +511,72 @@ def test_registered_backend_name():
     f = torch.compile(lambda x, y: F.cross_entropy(lin(x), y), backend="mixprec")
     with mixprec.autocast("cpu"):
         assert f(torch.randn(2, 8), torch.tensor([0, 1])).dtype == FP32
+
+
+def test_reflected_tensor_operators_trace():
+    # Tensor.__rdiv__ & co are Python functions dynamo mis-guards as dict keys (kept out of the
+    # traced memo); `1.0 / x` must compile and equal eager.
+    lin = torch.nn.Linear(8, 8)
+
+    def f(x):
+        return (1.0 / (lin(x).abs() + 1) - 2.0 ** x.mean()).sum()
+
+    x = torch.randn(4, 8)
+    with mixprec.autocast("cpu"):
+        want = f(x)
+    assert _same(mixprec.compile(f, backend="aot_eager")(x), want)
+
+
+class _Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 3 * x * g  # deliberately not the true derivative: must be this backward
+
+
+def test_autograd_function_keeps_its_backward_and_says_so():
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+
+    def f(x):
+        return _Square.apply(lin(x)).float().sum()
+
+    with mixprec.autocast("cpu"):
+        want = f(x)
+    want.backward()
+    want_grad = lin.weight.grad.clone()
+    lin.weight.grad = None
+    compiled = mixprec.compile(f, backend="aot_eager")
+    with pytest.warns(UserWarning, match="autograd_function_apply"):
+        got = compiled(x)
+    got.backward()
+    assert torch.equal(got, want) and torch.equal(lin.weight.grad, want_grad)
+    report = compiled.mixprec_backend.reports[0]
+    assert report.mode == "region" and "torch.autograd.Function" in str(report)
+
+
+def test_activation_checkpoint_inside_the_graph():
+    from torch.utils.checkpoint import checkpoint
+
+    block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def f(x):
+        return F.cross_entropy(checkpoint(block, x, use_reentrant=False), torch.zeros(4).long())
+
+    with mixprec.autocast("cpu"):
+        want = f(x)
+    want.backward()
+    want_grads = [p.grad.clone() for p in block.parameters()]
+    block.zero_grad()
+    with pytest.warns(UserWarning, match="tag_activation_checkpoint"):
+        got = mixprec.compile(f, backend="aot_eager")(x)
+    got.backward()
+    assert got.dtype == FP32 and torch.equal(got, want)
+    for p, g in zip(block.parameters(), want_grads, strict=True):
+        torch.testing.assert_close(p.grad, g, rtol=0, atol=1e-6)

@@ -122,6 +122,12 @@ class DispatchTable:
             for fn in (*_overridable(), *composites.torch_python_functions(), *list(_DECLARED)):
                 if fn not in self._memo:
                     self._memo[fn] = self._classify(fn)
+        # Keys dynamo cannot guard go to `late` (traced code never reads it): property getters
+        # break its guards outright, and it guards the Python-level Tensor methods of
+        # torch/_tensor.py (``__rdiv__``, ``__rpow__``, ...) as absent from a dict that holds
+        # them, which fails on the frame that created the guard.
+        for fn in [fn for fn in self._memo if not _guardable(fn)]:
+            self.late[fn] = self._memo.pop(fn)
 
     def _rule(
         self,
@@ -230,13 +236,16 @@ def _torch_touches(device_type: str, dtype: torch.dtype) -> frozenset[str]:
 
 @functools.cache
 def _overridable() -> tuple[Any, ...]:
-    """The functions torch hands to a torch function mode (about 1,300 in torch 2.13), less
-    property getters: dynamo cannot guard a dict that has one as a key."""
+    """The functions torch hands to a torch function mode (about 1,400 in torch 2.13)."""
     return tuple(
-        fn
-        for funcs in torch.overrides.get_overridable_functions().values()
-        for fn in funcs
-        if type(fn).__name__ != "method-wrapper"
+        fn for funcs in torch.overrides.get_overridable_functions().values() for fn in funcs
+    )
+
+
+def _guardable(fn: Any) -> bool:
+    """Whether dynamo guards a dict with `fn` as a key correctly (see `DispatchTable`)."""
+    return type(fn).__name__ != "method-wrapper" and getattr(fn, "__module__", "") != (
+        "torch._tensor"
     )
 
 

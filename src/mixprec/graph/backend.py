@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -105,29 +106,67 @@ class AmpBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         device, dtype = self.region(example_inputs)
+        inner = self.backend
+        if isinstance(inner, str) and inner != "eager":
+            from torch._dynamo import lookup_backend
+
+            inner = lookup_backend(inner)
+        unkept = _unkept_operators(gm)
+        if unkept:
+            return self._as_region(gm, example_inputs, inner, unkept)
         traced = trace_with_policy(gm, example_inputs, device, dtype, self.policy)
         category, reason = _deciders(self.policy, device, dtype)
         needs_grad = [isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs]
         report = minimise_casts(traced, self.casts, category, reason, len(self.reports), needs_grad)
         self.reports.append(report)
-        inner = self.backend
         if inner == "eager":
             return _without_torch_autocast(traced)
-        if isinstance(inner, str):
-            from torch._dynamo import lookup_backend
-
-            inner = lookup_backend(inner)
         # The graph carries every cast the policy wants: torch's own (dispatcher-level) autocast
         # must not apply its lists on top, neither while AOTAutograd traces it nor when it runs.
         with torch._C._DisableAutocast():
             compiled = inner(traced, example_inputs)
         return _without_torch_autocast(compiled)
 
+    def _as_region(
+        self, gm: fx.GraphModule, example_inputs: list[Any], inner: Any, unkept: list[str]
+    ) -> Callable[..., Any]:
+        """Compile `gm` as it was captured inside the region, without the re-trace.
+
+        The re-trace runs a graph's nodes eagerly; a node such as a ``torch.autograd.Function``
+        (``autograd_function_apply``) would run inlined there and lose its own backward. Such a
+        graph is compiled as a region around a compiled function is: the calls dynamo showed
+        the mode already carry the policy, and torch's own lists apply to the rest.
+        """
+        why = (
+            f"kept as captured (a region around the graph, no cast pass): it calls "
+            f"{', '.join(sorted(set(unkept)))}, which the re-trace cannot keep (a "
+            f"torch.autograd.Function's own backward, activation checkpointing); ops no "
+            f"function mode saw follow torch's lists here"
+        )
+        warnings.warn(f"mixprec.compile: graph {len(self.reports)} {why}.", stacklevel=2)
+        self.reports.append(CastReport(len(self.reports), "region", 0, 0, note=why))
+        return gm if inner == "eager" else inner(gm, example_inputs)
+
     def summary(self) -> str:
         """All graphs' cast reports as text."""
         if not self.reports:
             return "no graph compiled yet: call the compiled function once"
         return "\n".join(str(r) for r in self.reports)
+
+
+#: Higher-order operators the re-trace may run inlined without changing what they compute.
+_INLINE_SAFE = frozenset({"wrap"})
+
+
+def _unkept_operators(gm: fx.GraphModule) -> list[str]:
+    """Names of higher-order operators in `gm` that the re-trace cannot keep."""
+    names = []
+    for node in gm.graph.nodes:
+        target = node.target
+        hop = node.op == "call_function" and isinstance(target, torch._ops.HigherOrderOperator)
+        if hop and target.name() not in _INLINE_SAFE:
+            names.append(target.name())
+    return names
 
 
 def _keep_functions_whole(policy: Policy) -> None:

@@ -104,6 +104,7 @@ class CastReport:
         removed: casts removed, by rewrite (``no_op``, ``cse``, ``round_trip``, ``propagate``).
         casts: the remaining casts with their reasons.
         ops: every other aten op with its category and reason.
+        note: why the graph was compiled without the pass (mode ``'region'``), if it was.
     """
 
     graph: int
@@ -115,8 +116,11 @@ class CastReport:
     removed: dict[str, int] = field(default_factory=dict)
     casts: list[CastRow] = field(default_factory=list)
     ops: list[OpRow] = field(default_factory=list)
+    note: str = ""
 
     def __str__(self) -> str:
+        if self.mode == "region":
+            return f"graph {self.graph}: {self.note}"
         lines = [
             f"graph {self.graph} (casts={self.mode}): {self.before} casts, "
             f"{_mb(self.bytes_before)} -> {self.after} casts, {_mb(self.bytes_after)}"
