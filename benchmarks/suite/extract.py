@@ -299,6 +299,32 @@ def extract_fsdp_memory(ctx: Context, log: str) -> Figures:
     return f
 
 
+# ------------------------------------------------------------------ l: FP8
+
+
+def extract_fp8(ctx: Context, log: str, name: str, part: str) -> Figures:
+    doc = _load(ctx, f"{name}.json")
+    f = Figures(raw=doc)
+    f.table = doc.get(part) or []
+    g = doc.get("goals", {})
+    if part == "gemm":
+        f.put("FP8 GEMM speed-up, large shapes (min)", g.get("gemm_speedup_large_min"))
+    elif part == "step":
+        best = g.get("medium_step_best") or {}
+        f.put(
+            "GPT-2 medium FP8 TrainStep / bf16 TrainStep speed-up",
+            best.get("speedup_vs_bf16_trainstep"),
+        )
+        f.put("best FP8 variant", best.get("variant"))
+    else:
+        f.put("FP8 recipes outside bf16 loss spread", g.get("loss_outside_spread"))
+        f.put(
+            "bf16 final loss (mean, spread)",
+            [g.get("bf16_final_loss_mean"), g.get("bf16_final_loss_spread")],
+        )
+    return f
+
+
 # ------------------------------------------------------------------ f: opt levels
 
 

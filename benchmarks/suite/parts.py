@@ -183,6 +183,30 @@ PARTS: list[Part] = [
         goals=(Goal("O2 total - FSDP2 policy total (bytes)", "==", 0,
                     "O2 on FSDP2 adds no fp32 copy beyond FSDP2's own"),),
     ),
+    *[
+        Part(
+            name=f"l-fp8-{part}", priority=78 + i, estimate_s=est, timeout_s=limit,
+            title=title,
+            command=lambda ctx, part=part: [ctx.python, "benchmarks/fp8_gpu.py", "--parts", part,
+                                            "--json", ctx.path(f"l-fp8-{part}.json")]
+            + (["--smoke"] if ctx.smoke else (["--recipes", "tensorwise,delayed"]
+                                              if part == "step" else [])),
+            extract=lambda ctx, log, part=part: ex.extract_fp8(ctx, log, f"l-fp8-{part}", part),
+            goals=goals,
+        )
+        for i, (part, est, limit, title, goals) in enumerate((
+            ("gemm", 60, 300, "FP8 GEMM and layer forward+backward vs bf16, GPT-2-medium shapes",
+             (Goal("FP8 GEMM speed-up, large shapes (min)", ">=", 1.3,
+                   "FP8 GEMM >= 1.3x bf16 (MLP up/down, GPT-2 medium)"),)),
+            ("step", 480, 590, "GPT-2 small and medium step: FP8 TrainStep vs bf16 TrainStep vs "
+             "torch.amp + compile, with peak memory",
+             (Goal("GPT-2 medium FP8 TrainStep / bf16 TrainStep speed-up", ">=", 1.15,
+                   "GPT-2 medium step with FP8 >= 1.15x bf16 TrainStep"),)),
+            ("loss", 240, 480, "GPT-2 small trained with FP8 vs bf16: final loss vs bf16's spread",
+             (Goal("FP8 recipes outside bf16 loss spread", "==", 0,
+                   "FP8 loss within bf16's seed-to-seed spread, every recipe"),)),
+        ))
+    ],
     Part(
         name="h-bench", priority=80, estimate_s=150, timeout_s=480,
         title="mixprec bench all --full, with JSON and PNG",
