@@ -18,6 +18,12 @@ The optimizers become `AmpOptimizer`s (``wrap_optimizer``), each with its own ea
 so that ``optimizer.step()`` is the whole scaled step wherever a framework calls it and the
 scaler's state describes the step that just ran. bf16 uses no scaler (nothing to skip).
 
+A model sharded with FSDP2 before ``convert_module`` (Lightning's ``configure_model``) keeps its
+own mixed precision: `mixprec.fully_shard` applied the level while sharding (FSDP's fp32 shards
+are the masters), so the engine casts nothing, keeps no masters, and wraps the user's optimizer
+itself (``sharded``: no rebuilt optimizer), adding only the scaler, as ``mixprec.initialize``
+does for such a model.
+
 Costs: those of the opt level (`docs/migration.md`); no host-device sync in any hook. Reading
 whether the last step was skipped as a Python bool (what Accelerate and the Transformers
 Trainer ask before stepping the LR schedule) is one sync: ``last_step_skipped``.
@@ -35,6 +41,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.distributed.fsdp import MODEL_OPTIONS, sharded_options
+from mixprec.distributed.topology import fsdp_modules
+from mixprec.dtypes import dtype_name
 from mixprec.eager.autocast import autocast
 from mixprec.errors import MixprecError, format_options
 from mixprec.levels.initialize import _prepare_model
@@ -166,6 +175,7 @@ class AmpEngine:
         self._modules: list[nn.Module] = []  # converted models
         self.optimizers: list[AmpOptimizer] = []
         self._sources: list[tuple[Any, AmpOptimizer]] = []  # (the user's optimizer, its wrap)
+        self.sharded = False  # a converted model is sharded with FSDP2 (it owns its precision)
 
     def _make_scaler(self) -> GradScaler:
         opts = self.options
@@ -205,6 +215,11 @@ class AmpEngine:
         """
         if any(m is module for m in self._modules):
             return module
+        units = fsdp_modules(module)
+        if units:
+            self._adopt_sharded(module, units)
+            self._modules.append(module)
+            return module
         hooks = amp_hooks(module)
         if hooks is not None:
             raise IntegrationError(
@@ -221,6 +236,65 @@ class AmpEngine:
             _prepare_model(module, opts, self._masters)
         self._modules.append(module)
         return module
+
+    def _adopt_sharded(self, module: nn.Module, units: list[tuple[str, nn.Module]]) -> None:
+        """Take over a model sharded with FSDP2: check its level, cast nothing, no masters.
+
+        Under FSDP2 an opt level that casts weights (O2, O3) is FSDP's own mixed precision,
+        fixed by `mixprec.fully_shard` while sharding; O0 and O1 cast nothing and accept
+        torch's ``fully_shard`` too. Every check runs before anything is recorded.
+        """
+        opts = self.options
+        level, low = opts.level.value, dtype_name(opts.dtype)
+        roots = [(name, m, sharded_options(m)) for name, m in units]
+        roots = [(name, m, o) for name, m, o in roots if o is not None]
+        if not roots and self.low_model:
+            raise IntegrationError(
+                f"{_where(units[0][0])} of {type(module).__name__} is sharded with torch's "
+                f"fully_shard, without mixprec's policies. Under FSDP2, {level}'s {low} weights "
+                f"are FSDP's own mixed precision (its fp32 shards are the master weights), chosen "
+                f"when sharding: in configure_model call mixprec.fully_shard(module, "
+                f"opt_level={level!r}, dtype={low!r}, mesh=...) instead of fully_shard. O0 and O1 "
+                f"run on a model sharded with torch's fully_shard as it is."
+            )
+        given = dict(self.config.options)
+        if self.config.policy is not None:
+            given["policy"] = opts.policy
+        for name, _, sharded in roots:
+            fixed = f"{sharded.level.value} ({dtype_name(sharded.dtype)})"
+            if sharded.level is not opts.level or sharded.dtype != opts.dtype:
+                raise IntegrationError(
+                    f"{_where(name)} was sharded by mixprec.fully_shard at {fixed}, which fixed "
+                    f"how its weights are stored, gathered and reduced; the precision plugin runs "
+                    f"{level} ({low}). Give both the same level and dtype: "
+                    f"mixprec.fully_shard(..., opt_level={sharded.level.value!r}, "
+                    f"dtype={dtype_name(sharded.dtype)!r}) and the plugin's "
+                    f"({sharded.level.value!r}, dtype={dtype_name(sharded.dtype)!r})."
+                )
+            for key in MODEL_OPTIONS:
+                if key in given and getattr(opts, key) != getattr(sharded, key):
+                    raise IntegrationError(
+                        f"the plugin's {key}={given[key]!r} differs from what mixprec.fully_shard "
+                        f"applied to {_where(name)} ({key}={getattr(sharded, key)!r}); model-side "
+                        f"options are fixed when sharding. Pass {key} to mixprec.fully_shard "
+                        f"only."
+                    )
+        inside = {id(p) for _, m, _ in roots for p in m.parameters()}
+        if self.low_model:
+            outside = [n for n, p in module.named_parameters()
+                       if p.is_floating_point() and id(p) not in inside]  # fmt: skip
+            if outside:
+                raise IntegrationError(
+                    f"{len(outside)} parameter(s) of {type(module).__name__} (the first is "
+                    f"{outside[0]!r}) lie outside the modules sharded by mixprec.fully_shard, so "
+                    f"{level} would leave them in fp32 with no policy. Shard the module that "
+                    f"holds every parameter with mixprec.fully_shard (name blocks with units=)."
+                )
+        if opts.master_weights:  # the fp32 shards are the masters: each steps itself
+            for p in module.parameters():
+                if id(p) in inside:
+                    self._masters[id(p)] = p
+        self.sharded = True
 
     # ------------------------------------------------------------------ optimizers
 
@@ -250,7 +324,8 @@ class AmpEngine:
                     f"converted model. Set up (prepare) the model before, or together with, its "
                     f"optimizer."
                 )
-            inner = build_inner(optimizer, self._masters)
+            # Sharded: the user's optimizer already steps the fp32 shards (the masters).
+            inner = optimizer if self.sharded else build_inner(optimizer, self._masters)
         else:
             inner = optimizer
         mine = {id(p) for g in inner.param_groups for p in g["params"]}
@@ -274,6 +349,14 @@ class AmpEngine:
                 return amp
         return None
 
+    def _amp(self, optimizer: Any) -> Any:
+        """`optimizer`'s `AmpOptimizer`, through framework wrappers, and from the user's optimizer
+        where the framework holds that one (sharded models); else what `unwrap_optimizer` finds."""
+        inner = unwrap_optimizer(optimizer)
+        if isinstance(inner, AmpOptimizer):
+            return inner
+        return self.amp_for(inner) or inner
+
     def master_of(self, param: torch.Tensor) -> torch.Tensor:
         """The tensor the optimizer steps for `param` (its fp32 master in O2, else itself)."""
         return self._masters.get(id(param), param)
@@ -283,7 +366,7 @@ class AmpEngine:
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """Start a backward: the loss times the scale (fp16), as it is (bf16). No sync."""
         new_iteration = not any(amp._scaling.scaled for amp in self.optimizers)
-        if new_iteration and self.options.master_weights:
+        if new_iteration and self.options.master_weights and not self.sharded:
             # Frameworks clear the model's gradients (Transformers: model.zero_grad()), not
             # necessarily the optimizer's: the masters' are stale from the last step.
             for amp in self.optimizers:
@@ -302,7 +385,7 @@ class AmpEngine:
 
     def unscale_(self, optimizer: Any) -> None:
         """Divide `optimizer`'s gradients by the scale, once per iteration (to clip, inspect)."""
-        amp = unwrap_optimizer(optimizer)
+        amp = self._amp(optimizer)
         if self.scaler is None or not isinstance(amp, AmpOptimizer):
             return
         amp._after_backward()  # (O2) gradients of a backward that bypassed after_backward
@@ -317,7 +400,7 @@ class AmpEngine:
 
     def main_params(self, optimizer: Any) -> Iterator[torch.Tensor]:
         """The tensors `optimizer` steps (fp32 masters in O2): what clipping must act on."""
-        for group in unwrap_optimizer(optimizer).param_groups:
+        for group in self._amp(optimizer).param_groups:
             yield from group["params"]
 
     def clip_grad_norm_(self, optimizer: Any, max_norm: float, norm_type: float = 2.0) -> Any:
@@ -328,7 +411,7 @@ class AmpEngine:
 
     def step(self, optimizer: Any) -> Any:
         """The scaled optimizer step (skipped on the device on overflow) and the scale update."""
-        amp = unwrap_optimizer(optimizer)
+        amp = self._amp(optimizer)
         if not isinstance(amp, AmpOptimizer) or amp not in self.optimizers:
             raise IntegrationError(
                 f"{type(amp).__name__} was not set up by this mixprec integration: pass every "
@@ -373,3 +456,7 @@ class AmpEngine:
             )
         if self.scaler is not None:
             self.scaler.load_state_dict(dict(sd))
+
+
+def _where(name: str) -> str:
+    return f"submodule {name!r}" if name else "the model"
