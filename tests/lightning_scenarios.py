@@ -99,6 +99,8 @@ def _module_class() -> type:
             self.losses: list[float] = []
             self.lrs: list[float] = []
             self.snapshots: list[list[torch.Tensor]] = []  # parameters after each step
+            self.calls: list[int] = []  # counting_all_reduce's record, where one is open
+            self.all_reduces: list[int] = []
             self.offset = 0  # steps run before a resume
 
         def configure_model(self) -> None:
@@ -132,7 +134,12 @@ def _module_class() -> type:
             return _poisoned(loss, step, self.global_rank, self.trainer.world_size,
                              scales(self.level, self.low))  # fmt: skip
 
+        def on_train_batch_start(self, *args: Any) -> None:
+            self.counted = len(self.calls)
+
         def on_train_batch_end(self, *args: Any) -> None:
+            # torch.distributed.all_reduce calls during the step (the scaler's agreement)
+            self.all_reduces.append(len(self.calls) - self.counted)
             self.snapshots.append([full(p) for p in self.net.parameters()])  # every rank
 
         def configure_optimizers(self) -> Any:
@@ -172,6 +179,7 @@ def _result(module: Any, trainer: Any) -> dict[str, Any]:
         "lrs": module.lrs,
         "params": [full(p) for p in module.net.parameters()],
         "snapshots": module.snapshots,
+        "all_reduces": module.all_reduces,
         "param_dtypes": sorted({str(p.dtype) for p in module.net.parameters()}),
         "scale": scaler.get_scale() if scaler is not None else None,
         "skipped": scaler.stats()["losses"][0]["skipped"] if scaler is not None else None,
@@ -202,11 +210,15 @@ def fsdp2_fit(rank: int, world: int, level: str, dtype: str, clip: float | None,
               shard: str = "mixprec") -> dict[str, Any]:  # fmt: skip
     """``Trainer.fit`` with ModelParallelStrategy, the network sharded in configure_model by
     mixprec.fully_shard (or, `shard` 'torch', torch's fully_shard: O0/O1)."""
+    from tests.dist_scenarios import counting_all_reduce
+
     steps = STEPS
     with as_launched(rank):
         module = _module_class()(level, dtype, shard)
         trainer = _trainer(_fsdp2_strategy(), _plugin(level, dtype), steps, clip)
-        trainer.fit(module, _loader())
+        with counting_all_reduce() as calls:
+            module.calls = calls
+            trainer.fit(module, _loader())
     out = _result(module, trainer)
     out["ref"] = fsdp2_by_hand(rank, world, level, dtype, clip, steps)
     return out
@@ -287,6 +299,23 @@ def fsdp2_errors(rank: int, world: int) -> dict[str, str]:
                 trainer.fit(module, _loader())
             except Exception as err:  # the message is the result
                 out[key] = f"{type(err).__name__}: {err}"
+    # The same checks, straight through the plugin's convert_module (what Lightning calls).
+    from mixprec.integrations.lightning import MixprecPrecision
+
+    holder = nn.Module()
+    holder.net = mixprec.fully_shard(net(), opt_level="O2", dtype="bf16")
+    holder.head = nn.Linear(4, 2)  # outside the sharded network
+    plugins = {"outside": MixprecPrecision("O2", "bf16", device="cpu"),
+               "option": MixprecPrecision("O2", "bf16", device="cpu",
+                                          options={"keep_batchnorm_fp32": False})}  # fmt: skip
+    for key, plugin in plugins.items():
+        if key == "option":
+            del holder.head  # every parameter inside now: the option is what is wrong
+        try:
+            plugin.convert_module(holder)
+        except Exception as err:  # the message is the result
+            out[key] = f"{type(err).__name__}: {err}"
+        out[key + "_unchanged"] = not plugin.engine.sharded and not plugin.engine._masters
     return out
 
 
@@ -300,9 +329,12 @@ def main(out: str) -> None:
     ``_SubprocessScriptLauncher``) and joins both in a gloo group itself; each rank writes its
     result (with the hand-written reference) to ``OUT/rank<r>.pt``.
     """
-    with warnings.catch_warnings():
+    from tests.dist_scenarios import counting_all_reduce
+
+    with warnings.catch_warnings(), counting_all_reduce() as calls:
         warnings.simplefilter("ignore")
         module = _module_class()("O2", "fp16")
+        module.calls = calls
         trainer = _trainer(_fsdp2_strategy(), _plugin("O2", "fp16"), STEPS, CLIP)
         trainer.fit(module, _loader())
         rank, world = trainer.global_rank, trainer.world_size

@@ -4,7 +4,8 @@ ranks (gloo), the network sharded by ``mixprec.fully_shard`` in ``configure_mode
 Against the same training written by hand on the same ranks (``mixprec.fully_shard`` +
 ``mixprec.GradScaler`` + ``mixprec.SkipAwareLR``), bit for bit: the losses of every step on every
 rank, the learning rates, the final (gathered) weights; an inf in the last rank's loss makes
-both ranks skip that step (weights unchanged, schedule held, scale halved). Lightning's own
+both ranks skip that step (weights unchanged, schedule held, scale halved), agreeing with one
+all-reduce per step. Lightning's own
 save/resume (a DCP folder, or one assembled file) carries the scaler and the optimizer's
 sharded state, and the resumed run equals the uninterrupted one. tests/lightning_scenarios.py
 says how a real ``Trainer.fit`` runs inside the pool's processes.
@@ -87,7 +88,10 @@ def _check_fit(ranks: list[dict], level: str, dtype: str) -> None:
         # Lightning steps the user's optimizer over FSDP's shards: no second copy of a weight.
         assert r["optimizer"] == "SGD" and r["stepped_are_model_params"]
         assert r["param_dtypes"] == (["torch.bfloat16"] if level == "O3" else ["torch.float32"])
-    if not S.scales(level, dtype):
+    scaled = S.scales(level, dtype)
+    for r in ranks:  # the scaler's agreement: one all-reduce per step (none without a scaler)
+        assert r["all_reduces"] == [int(scaled)] * S.STEPS
+    if not scaled:
         assert ranks[0]["scale"] is None
         return
     # The inf was in the last rank's loss only; rank 0's loss was finite, and it skipped too.
@@ -137,3 +141,15 @@ def test_fsdp2_misconfigurations_name_the_fix(pool):
         "mesh=...) instead of fully_shard. O0 and O1 run on a model sharded with torch's "
         "fully_shard as it is."
     )
+    assert r0["option"] == (
+        "IntegrationError: the plugin's keep_batchnorm_fp32=False differs from what "
+        "mixprec.fully_shard applied to submodule 'net' (keep_batchnorm_fp32=True); model-side "
+        "options are fixed when sharding. Pass keep_batchnorm_fp32 to mixprec.fully_shard only."
+    )
+    assert r0["outside"] == (
+        "IntegrationError: 2 parameter(s) of Module (the first is 'head.weight') lie outside the "
+        "modules sharded by mixprec.fully_shard, so O2 would leave them in fp32 with no policy. "
+        "Shard the module that holds every parameter with mixprec.fully_shard (name blocks with "
+        "units=)."
+    )
+    assert r0["option_unchanged"] and r0["outside_unchanged"]

@@ -41,11 +41,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.distributed.fsdp import MODEL_OPTIONS, sharded_options
 from mixprec.distributed.topology import fsdp_modules
-from mixprec.dtypes import dtype_name
 from mixprec.eager.autocast import autocast
-from mixprec.errors import MixprecError, format_options
+from mixprec.errors import format_options
+from mixprec.integrations.errors import IntegrationError
+from mixprec.integrations.sharded import check_sharded
 from mixprec.levels.initialize import _prepare_model
 from mixprec.levels.model import amp_hooks
 from mixprec.levels.optimizer import AmpOptimizer, LossScaling, build_inner
@@ -56,10 +56,6 @@ from mixprec.scaling.scaler import GradScaler
 __all__ = ["FORMAT", "AmpConfig", "AmpEngine", "IntegrationError", "unwrap_optimizer"]
 
 FORMAT = "mixprec.AmpEngine/1"
-
-
-class IntegrationError(MixprecError, ValueError):
-    """A framework integration was set up in a way that cannot work (the message says the fix)."""
 
 
 def _scaler_args() -> list[str]:
@@ -215,9 +211,11 @@ class AmpEngine:
         """
         if any(m is module for m in self._modules):
             return module
-        units = fsdp_modules(module)
-        if units:
-            self._adopt_sharded(module, units)
+        if fsdp_modules(module):  # sharded in the framework's model hook (Lightning's FSDP2)
+            inside = check_sharded(module, self.options, self.config.options, self.config.policy)
+            if self.options.master_weights:  # the fp32 shards are the masters: each steps itself
+                self._masters.update((id(p), p) for p in module.parameters() if id(p) in inside)
+            self.sharded = True
             self._modules.append(module)
             return module
         hooks = amp_hooks(module)
@@ -236,65 +234,6 @@ class AmpEngine:
             _prepare_model(module, opts, self._masters)
         self._modules.append(module)
         return module
-
-    def _adopt_sharded(self, module: nn.Module, units: list[tuple[str, nn.Module]]) -> None:
-        """Take over a model sharded with FSDP2: check its level, cast nothing, no masters.
-
-        Under FSDP2 an opt level that casts weights (O2, O3) is FSDP's own mixed precision,
-        fixed by `mixprec.fully_shard` while sharding; O0 and O1 cast nothing and accept
-        torch's ``fully_shard`` too. Every check runs before anything is recorded.
-        """
-        opts = self.options
-        level, low = opts.level.value, dtype_name(opts.dtype)
-        roots = [(name, m, sharded_options(m)) for name, m in units]
-        roots = [(name, m, o) for name, m, o in roots if o is not None]
-        if not roots and self.low_model:
-            raise IntegrationError(
-                f"{_where(units[0][0])} of {type(module).__name__} is sharded with torch's "
-                f"fully_shard, without mixprec's policies. Under FSDP2, {level}'s {low} weights "
-                f"are FSDP's own mixed precision (its fp32 shards are the master weights), chosen "
-                f"when sharding: in configure_model call mixprec.fully_shard(module, "
-                f"opt_level={level!r}, dtype={low!r}, mesh=...) instead of fully_shard. O0 and O1 "
-                f"run on a model sharded with torch's fully_shard as it is."
-            )
-        given = dict(self.config.options)
-        if self.config.policy is not None:
-            given["policy"] = opts.policy
-        for name, _, sharded in roots:
-            fixed = f"{sharded.level.value} ({dtype_name(sharded.dtype)})"
-            if sharded.level is not opts.level or sharded.dtype != opts.dtype:
-                raise IntegrationError(
-                    f"{_where(name)} was sharded by mixprec.fully_shard at {fixed}, which fixed "
-                    f"how its weights are stored, gathered and reduced; the precision plugin runs "
-                    f"{level} ({low}). Give both the same level and dtype: "
-                    f"mixprec.fully_shard(..., opt_level={sharded.level.value!r}, "
-                    f"dtype={dtype_name(sharded.dtype)!r}) and the plugin's "
-                    f"({sharded.level.value!r}, dtype={dtype_name(sharded.dtype)!r})."
-                )
-            for key in MODEL_OPTIONS:
-                if key in given and getattr(opts, key) != getattr(sharded, key):
-                    raise IntegrationError(
-                        f"the plugin's {key}={given[key]!r} differs from what mixprec.fully_shard "
-                        f"applied to {_where(name)} ({key}={getattr(sharded, key)!r}); model-side "
-                        f"options are fixed when sharding. Pass {key} to mixprec.fully_shard "
-                        f"only."
-                    )
-        inside = {id(p) for _, m, _ in roots for p in m.parameters()}
-        if self.low_model:
-            outside = [n for n, p in module.named_parameters()
-                       if p.is_floating_point() and id(p) not in inside]  # fmt: skip
-            if outside:
-                raise IntegrationError(
-                    f"{len(outside)} parameter(s) of {type(module).__name__} (the first is "
-                    f"{outside[0]!r}) lie outside the modules sharded by mixprec.fully_shard, so "
-                    f"{level} would leave them in fp32 with no policy. Shard the module that "
-                    f"holds every parameter with mixprec.fully_shard (name blocks with units=)."
-                )
-        if opts.master_weights:  # the fp32 shards are the masters: each steps itself
-            for p in module.parameters():
-                if id(p) in inside:
-                    self._masters[id(p)] = p
-        self.sharded = True
 
     # ------------------------------------------------------------------ optimizers
 
@@ -456,7 +395,3 @@ class AmpEngine:
             )
         if self.scaler is not None:
             self.scaler.load_state_dict(dict(sd))
-
-
-def _where(name: str) -> str:
-    return f"submodule {name!r}" if name else "the model"

@@ -3,6 +3,12 @@
     trainer = lightning.Trainer(plugins=[MixprecPrecision("O2", dtype="fp16")],
                                 callbacks=[AmpMetricsCallback(every=50)])
 
+FSDP2 (``ModelParallelStrategy``): shard in ``configure_model`` with
+``mixprec.fully_shard(self.model, opt_level="O2", dtype="fp16", mesh=...)`` and pass the same
+`MixprecPrecision`; it recognises the sharded model (FSDP's fp32 shards are the masters) and
+adds the scaler, the held schedule and clipping (docs/integrations.md). FSDP1 (``FSDPStrategy``):
+`MixprecFSDPPrecision`.
+
 A plugin replaces ``precision="16-mixed"``/``"bf16-mixed"`` (Lightning refuses both together).
 What each hook does is `mixprec.integrations.engine`'s table; differences from Lightning's own
 ``MixedPrecision``, all deliberate:
@@ -331,6 +337,10 @@ class MixprecFSDPPrecision(MixprecPrecision, _FSDPPrecision):
     (async, MAX), so every rank skips together: it replaces FSDP1's ``ShardedGradScaler``.
     Gradient clipping by norm is refused, as by Lightning's ``FSDPPrecision`` (FSDP needs the
     root module's ``clip_grad_norm_``); clipping by value works.
+
+    Not run in mixprec's tests: FSDP1 refuses a CPU (torch 2.13 and Lightning's
+    ``FSDPStrategy`` both), and they ran without a GPU. FSDP2 (`MixprecPrecision` with
+    ``ModelParallelStrategy``) is the tested path.
     """
 
     def __init__(
