@@ -300,6 +300,19 @@ def test_fsdp_plugin_maps_levels_to_fsdp_mixed_precision():
     assert o3.mixed_precision_config.reduce_dtype == torch.bfloat16 and o3.scaler is None
     strategy = FSDPStrategy(precision_plugin=o2)  # Lightning accepts only FSDPPrecision kinds
     assert strategy.precision_plugin is o2
+    # Lightning keeps the user's optimizer (FSDP.optim_state_dict reads torch's state-dict
+    # format, not an AmpOptimizer's); the engine's step, given it, finds the scaled AmpOptimizer.
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    o2.convert_module(net)
+    _, kept, _ = o2.connect(net, [opt], [])
+    assert kept == [opt] and o2.engine.amp_for(opt) in o2.engine.optimizers
+    o2.engine.scale(F.mse_loss(net(X[:8]), Y[:8]) * INF).backward()
+    before = [p.detach().clone() for p in net.parameters()]
+    o2.engine.unscale_(opt)
+    o2.engine.step(opt)
+    assert o2.scaler.get_scale() == 2.0**15 and all(
+        torch.equal(a, b) for a, b in zip(before, net.parameters(), strict=True))  # fmt: skip
     with pytest.raises(IntegrationError, match="gradient_clip_algorithm='value'"):
         o2.clip_grad_by_norm(None, 1.0)
 

@@ -18,6 +18,12 @@ The optimizers become `AmpOptimizer`s (``wrap_optimizer``), each with its own ea
 so that ``optimizer.step()`` is the whole scaled step wherever a framework calls it and the
 scaler's state describes the step that just ran. bf16 uses no scaler (nothing to skip).
 
+A model sharded with FSDP2 before ``convert_module`` (Lightning's ``configure_model``) keeps its
+own mixed precision: `mixprec.fully_shard` applied the level while sharding (FSDP's fp32 shards
+are the masters), so the engine casts nothing, keeps no masters, and wraps the user's optimizer
+itself (``sharded``: no rebuilt optimizer), adding only the scaler, as ``mixprec.initialize``
+does for such a model.
+
 Costs: those of the opt level (`docs/migration.md`); no host-device sync in any hook. Reading
 whether the last step was skipped as a Python bool (what Accelerate and the Transformers
 Trainer ask before stepping the LR schedule) is one sync: ``last_step_skipped``.
@@ -35,8 +41,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.distributed.topology import fsdp_modules
 from mixprec.eager.autocast import autocast
-from mixprec.errors import MixprecError, format_options
+from mixprec.errors import format_options
+from mixprec.integrations.errors import IntegrationError
+from mixprec.integrations.sharded import check_sharded
 from mixprec.levels.initialize import _prepare_model
 from mixprec.levels.model import amp_hooks
 from mixprec.levels.optimizer import AmpOptimizer, LossScaling, build_inner
@@ -47,10 +56,6 @@ from mixprec.scaling.scaler import GradScaler
 __all__ = ["FORMAT", "AmpConfig", "AmpEngine", "IntegrationError", "unwrap_optimizer"]
 
 FORMAT = "mixprec.AmpEngine/1"
-
-
-class IntegrationError(MixprecError, ValueError):
-    """A framework integration was set up in a way that cannot work (the message says the fix)."""
 
 
 def _scaler_args() -> list[str]:
@@ -166,6 +171,7 @@ class AmpEngine:
         self._modules: list[nn.Module] = []  # converted models
         self.optimizers: list[AmpOptimizer] = []
         self._sources: list[tuple[Any, AmpOptimizer]] = []  # (the user's optimizer, its wrap)
+        self.sharded = False  # a converted model is sharded with FSDP2 (it owns its precision)
 
     def _make_scaler(self) -> GradScaler:
         opts = self.options
@@ -204,6 +210,13 @@ class AmpEngine:
         O2 takes the fp32 masters here, before the cast. Converting twice is a no-op.
         """
         if any(m is module for m in self._modules):
+            return module
+        if fsdp_modules(module):  # sharded in the framework's model hook (Lightning's FSDP2)
+            inside = check_sharded(module, self.options, self.config.options, self.config.policy)
+            if self.options.master_weights:  # the fp32 shards are the masters: each steps itself
+                self._masters.update((id(p), p) for p in module.parameters() if id(p) in inside)
+            self.sharded = True
+            self._modules.append(module)
             return module
         hooks = amp_hooks(module)
         if hooks is not None:
@@ -250,7 +263,8 @@ class AmpEngine:
                     f"converted model. Set up (prepare) the model before, or together with, its "
                     f"optimizer."
                 )
-            inner = build_inner(optimizer, self._masters)
+            # Sharded: the user's optimizer already steps the fp32 shards (the masters).
+            inner = optimizer if self.sharded else build_inner(optimizer, self._masters)
         else:
             inner = optimizer
         mine = {id(p) for g in inner.param_groups for p in g["params"]}
@@ -274,6 +288,14 @@ class AmpEngine:
                 return amp
         return None
 
+    def _amp(self, optimizer: Any) -> Any:
+        """`optimizer`'s `AmpOptimizer`, through framework wrappers, and from the user's optimizer
+        where the framework holds that one (sharded models); else what `unwrap_optimizer` finds."""
+        inner = unwrap_optimizer(optimizer)
+        if isinstance(inner, AmpOptimizer):
+            return inner
+        return self.amp_for(inner) or inner
+
     def master_of(self, param: torch.Tensor) -> torch.Tensor:
         """The tensor the optimizer steps for `param` (its fp32 master in O2, else itself)."""
         return self._masters.get(id(param), param)
@@ -283,7 +305,7 @@ class AmpEngine:
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """Start a backward: the loss times the scale (fp16), as it is (bf16). No sync."""
         new_iteration = not any(amp._scaling.scaled for amp in self.optimizers)
-        if new_iteration and self.options.master_weights:
+        if new_iteration and self.options.master_weights and not self.sharded:
             # Frameworks clear the model's gradients (Transformers: model.zero_grad()), not
             # necessarily the optimizer's: the masters' are stale from the last step.
             for amp in self.optimizers:
@@ -302,7 +324,7 @@ class AmpEngine:
 
     def unscale_(self, optimizer: Any) -> None:
         """Divide `optimizer`'s gradients by the scale, once per iteration (to clip, inspect)."""
-        amp = unwrap_optimizer(optimizer)
+        amp = self._amp(optimizer)
         if self.scaler is None or not isinstance(amp, AmpOptimizer):
             return
         amp._after_backward()  # (O2) gradients of a backward that bypassed after_backward
@@ -317,7 +339,7 @@ class AmpEngine:
 
     def main_params(self, optimizer: Any) -> Iterator[torch.Tensor]:
         """The tensors `optimizer` steps (fp32 masters in O2): what clipping must act on."""
-        for group in unwrap_optimizer(optimizer).param_groups:
+        for group in self._amp(optimizer).param_groups:
             yield from group["params"]
 
     def clip_grad_norm_(self, optimizer: Any, max_norm: float, norm_type: float = 2.0) -> Any:
@@ -328,7 +350,7 @@ class AmpEngine:
 
     def step(self, optimizer: Any) -> Any:
         """The scaled optimizer step (skipped on the device on overflow) and the scale update."""
-        amp = unwrap_optimizer(optimizer)
+        amp = self._amp(optimizer)
         if not isinstance(amp, AmpOptimizer) or amp not in self.optimizers:
             raise IntegrationError(
                 f"{type(amp).__name__} was not set up by this mixprec integration: pass every "

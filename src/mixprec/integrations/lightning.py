@@ -3,6 +3,12 @@
     trainer = lightning.Trainer(plugins=[MixprecPrecision("O2", dtype="fp16")],
                                 callbacks=[AmpMetricsCallback(every=50)])
 
+FSDP2 (``ModelParallelStrategy``): shard in ``configure_model`` with
+``mixprec.fully_shard(self.model, opt_level="O2", dtype="fp16", mesh=...)`` and pass the same
+`MixprecPrecision`; it recognises the sharded model (FSDP's fp32 shards are the masters) and
+adds the scaler, the held schedule and clipping (docs/integrations.md). FSDP1 (``FSDPStrategy``):
+`MixprecFSDPPrecision`.
+
 A plugin replaces ``precision="16-mixed"``/``"bf16-mixed"`` (Lightning refuses both together).
 What each hook does is `mixprec.integrations.engine`'s table; differences from Lightning's own
 ``MixedPrecision``, all deliberate:
@@ -150,12 +156,25 @@ class MixprecPrecision(_Common, _TrainerPrecision):
     def connect(
         self, model: torch.nn.Module, optimizers: list[Any], lr_schedulers: list[Any]
     ) -> tuple[torch.nn.Module, list[Any], list[Any]]:
-        """Hand Lightning `AmpOptimizer`s, and LR schedulers that hold still on skipped steps."""
+        """Hand Lightning `AmpOptimizer`s, and LR schedulers that hold still on skipped steps.
+
+        On a sharded model (FSDP2 in ``configure_model``; FSDP1) Lightning keeps the user's own
+        optimizers: they step the fp32 shards, which are the masters, and the strategy saves
+        and loads their sharded state with ``torch.distributed.checkpoint``, which needs plain
+        torch optimizers. Their `AmpOptimizer`s stay with the plugin, whose ``optimizer_step``
+        finds them; the scaler is saved as the plugin's state.
+        """
         amps = [self.engine.wrap_optimizer(opt) for opt in optimizers]
         by_id = {id(opt): amp for opt, amp in zip(optimizers, amps, strict=True)}
         for config in lr_schedulers:
             _hold_schedule(config, by_id, self.engine, self.config.hold_schedule_on_skip)
+        if self._keeps_torch_optimizers:
+            return model, list(optimizers), lr_schedulers
         return model, amps, lr_schedulers
+
+    @property
+    def _keeps_torch_optimizers(self) -> bool:
+        return self.engine.sharded
 
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
         return super().pre_backward(self.engine.scale(tensor), module)
@@ -318,6 +337,10 @@ class MixprecFSDPPrecision(MixprecPrecision, _FSDPPrecision):
     (async, MAX), so every rank skips together: it replaces FSDP1's ``ShardedGradScaler``.
     Gradient clipping by norm is refused, as by Lightning's ``FSDPPrecision`` (FSDP needs the
     root module's ``clip_grad_norm_``); clipping by value works.
+
+    Not run in mixprec's tests: FSDP1 refuses a CPU (torch 2.13 and Lightning's
+    ``FSDPStrategy`` both), and they ran without a GPU. FSDP2 (`MixprecPrecision` with
+    ``ModelParallelStrategy``) is the tested path.
     """
 
     def __init__(
@@ -348,6 +371,10 @@ class MixprecFSDPPrecision(MixprecPrecision, _FSDPPrecision):
         return MixedPrecision(param_dtype=self._fsdp_param_dtype,
                               reduce_dtype=self._fsdp_reduce_dtype,
                               buffer_dtype=torch.float32)  # fmt: skip
+
+    @property
+    def _keeps_torch_optimizers(self) -> bool:
+        return True  # FSDP1 checkpoints the optimizer through FSDP.optim_state_dict
 
     def tensor_init_context(self) -> AbstractContextManager:
         return _TrainerPrecision.tensor_init_context(self)
