@@ -49,7 +49,7 @@ def test_region_inside_compiled_function_is_one_frame():
     assert torch.equal(probs, ref_probs) and torch.equal(y, ref_y)
 
 
-def test_compiled_function_inside_region_is_one_frame():
+def test_compiled_function_inside_region_is_one_frame(state_tracing):
     model, x = _model(), torch.randn(8, 16)
     counter = CompileCounter()
     compiled = torch.compile(lambda x: F.log_softmax(model(x), -1), backend=counter,
@@ -96,7 +96,7 @@ def test_backend_ladder_forward_and_backward(backend):
         assert torch.allclose(p.grad, g, rtol=tol, atol=tol)
 
 
-def test_losses_behind_torch_c_nn_follow_torch_lists_under_compile():
+def test_losses_behind_torch_c_nn_follow_torch_lists_under_compile(state_tracing):
     """dynamo consults a torch function mode only for functions in
     torch.overrides.get_overridable_functions(). F.cross_entropy, F.mse_loss and friends are
     inlined down to torch._C._nn functions outside that set, so no mode sees them in a compiled
@@ -127,7 +127,20 @@ def test_losses_behind_torch_c_nn_follow_torch_lists_under_compile():
     assert torch.compile(edited_loss, backend="aot_eager")(x).dtype == torch.float32  # the gap
 
 
-def test_model_code_reading_torch_state_inside_compiled_region():
+@pytest.fixture(params=["setters", "with-statement"])
+def state_tracing(request, monkeypatch):
+    """Both ways a region sets torch's autocast state in a trace: the setters (torch 2.13's
+    dynamo traces them) and a with-statement around torch.autocast (torch 2.11's only way)."""
+    from mixprec import _compat
+
+    traceable = _compat.autocast_state_traceable()
+    if request.param == "setters" and not traceable:
+        pytest.skip("this torch's dynamo cannot trace torch's autocast setters")
+    monkeypatch.setattr(_compat, "_TRACEABLE", [request.param == "setters"])
+    return request.param
+
+
+def test_model_code_reading_torch_state_inside_compiled_region(state_tracing):
     a = torch.randn(8, 8)
 
     def step(a):
@@ -146,7 +159,7 @@ def test_model_code_reading_torch_state_inside_compiled_region():
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
-def test_edited_policy_holds_under_compile(backend):
+def test_edited_policy_holds_under_compile(backend, state_tracing):
     # layer_norm moved to fp32 (torch's CPU list leaves it alone) and mm taken out of the list:
     # the guards that keep torch's dispatcher off trace without a graph break.
     policy = mixprec.Policy().move("layer_norm", to="fp32").move("mm", to="passthrough")

@@ -147,6 +147,27 @@ def _step(model, fn, *batch):
     return loss.detach(), _grads(model)
 
 
+def _equal(a, b) -> bool:
+    return torch.equal(a[0], b[0]) and all(
+        torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True)
+    )
+
+
+def _assert_same_as_torch(model, fn, got, *batch):
+    """`got` (loss, gradients) equals `fn`'s eager run bit for bit, or, where torch's own
+    AOTAutograd runs other kernels than eager (torch 2.11 decomposes BERT's backward
+    differently), ``torch.compile(fn, backend="aot_eager")``'s: the kernels that a
+    mixprec.compile'd function under aot_eager runs too."""
+    want = _step(model, fn, *batch)
+    if _equal(got, want):
+        return
+    torch._dynamo.reset()
+    aot = _step(model, torch.compile(fn, backend="aot_eager"), *batch)
+    torch._dynamo.reset()
+    assert not _equal(aot, want), "mixprec.compile differs from eager where torch's AOT does not"
+    assert _equal(got, aot)
+
+
 def _bench_models():
     torch.manual_seed(0)
     mlp = seed_mlp(width=32, depth=3)
@@ -302,11 +323,9 @@ def test_hf_models_equal_torch_autocast_and_add_no_graph_break(make):
         with torch.autocast("cpu", dtype=BF16):
             return loss(ids)
 
-    want = _step(model, eager, ids)
     compiled = mixprec.compile(loss, backend="aot_eager", dtype=BF16)
     got = _step(model, compiled, ids)
-    assert torch.equal(got[0], want[0])
-    assert all(torch.equal(a, b) for a, b in zip(got[1], want[1], strict=True))
+    _assert_same_as_torch(model, eager, got, ids)
     torch._dynamo.reset()
     counter = CompileCounter()
     with torch.autocast("cpu", dtype=BF16):
@@ -365,16 +384,22 @@ def test_cast_modes_against_eager_casts(make):
     with counter, mixprec.autocast("cpu"):
         want_loss = loss(ids)  # forward only: the casts the policy makes
     eager_casts = sum(n for (src, dst), n in counter.casts.items() if src != dst)
-    want = _step(model, lambda i: _in_region(loss, i), ids)
+    region = lambda i: _in_region(loss, i)  # noqa: E731
+    want = _step(model, region, ids)
     got = {}
     for mode in ("exact", "minimal"):
         torch._dynamo.reset()
         compiled = mixprec.compile(loss, backend="aot_eager", casts=mode)
         got[mode] = (_step(model, compiled, ids), compiled.mixprec_backend.reports)
     (exact, rex), (minimal, rmin) = got["exact"], got["minimal"]
-    assert torch.equal(exact[0], want[0]) and torch.equal(want[0], want_loss)
-    assert all(torch.equal(a, b) for a, b in zip(exact[1], want[1], strict=True))
-    assert sum(r.after for r in rex) <= eager_casts
+    assert torch.equal(want[0], want_loss)
+    _assert_same_as_torch(model, region, exact, ids)
+    before = sum(r.before for r in rex)  # the casts eager autocast makes on the captured graph
+    if torch.torch_version.TorchVersion(torch.__version__) >= "2.13":
+        assert before <= eager_casts
+    # else: torch 2.11's dynamo captures another BERT program (an fp32 op before each softmax,
+    # also in its own torch.compile(torch.autocast) graph), which needs two more casts.
+    assert sum(r.after for r in rex) <= before
     assert sum(r.after for r in rmin) < eager_casts
     assert sum(r.bytes_after for r in rmin) < sum(r.bytes_after for r in rex)
     torch.testing.assert_close(minimal[0], want[0], rtol=1e-2, atol=1e-2)

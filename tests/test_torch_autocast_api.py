@@ -266,6 +266,10 @@ def test_composites_follow_an_edited_inner_op():
 def test_other_base_table_is_not_overridden(fn):
     # The CUDA table leaves these alone; torch's CPU list (its dispatcher) runs them in fp32.
     x = torch.randn(1, 1, 4, 4, 4, dtype=BF16)
+    try:
+        fn(x)
+    except NotImplementedError as e:  # torch 2.11 has no bf16 trace on the CPU
+        pytest.skip(f"this torch cannot run it in bf16: {e}")
     with mixprec.autocast("cpu", policy=mixprec.Policy(table="cuda")):
         assert fn(x).dtype == BF16
     with mixprec.autocast("cpu"):

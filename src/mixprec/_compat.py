@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import torch
 
 __all__ = [
+    "autocast_state_traceable",
     "capturing",
     "dynamo_tracing",
     "local_tensor",
@@ -45,6 +46,23 @@ def capturing() -> bool:
 dynamo_tracing = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
 
 
+_TRACEABLE: list[bool] = []
+
+
+@mark_constant_result  # dynamo calls it once per trace and bakes the answer in
+def autocast_state_traceable() -> bool:
+    """Whether dynamo traces torch's autocast state setters (``torch.set_autocast_enabled``,
+    ``torch.autocast_increment_nesting``, ...) into the graph: torch 2.13 does; torch 2.11
+    treats them as skipped builtins (a graph break, an error under ``fullgraph=True``). Ask only
+    while dynamo traces (it imports ``torch._dynamo``)."""
+    if not _TRACEABLE:
+        from torch._dynamo import trace_rules
+
+        rule = trace_rules.manual_torch_name_rule_map.get("torch._C.set_autocast_enabled")
+        _TRACEABLE.append(rule is None or "Skip" not in getattr(rule, "__name__", ""))
+    return _TRACEABLE[0]
+
+
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (sharing its storage); any other tensor as it is.
 
@@ -60,18 +78,20 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-_SCALED_MM: dict[tuple[str, int | None], bool] = {}
+_SCALED_MM: dict[tuple[str, int | None, bool], bool] = {}
 
 
-def scaled_mm_available(device: torch.device) -> bool:
-    """Whether ``torch._scaled_mm`` runs FP8 operands on `device` (cached per device).
+def scaled_mm_available(device: torch.device, rowwise: bool = False) -> bool:
+    """Whether ``torch._scaled_mm`` runs FP8 operands on `device` (cached per device), with one
+    scale per row of `a` and per column of `b` when `rowwise`.
 
     CUDA: compute capability 8.9 (Ada) or newer, decided from the capability alone so that no
     kernel runs (this may be asked while a CUDA graph records). Other devices: one tiny
-    ``_scaled_mm`` is tried the first time (torch 2.13 runs it on the CPU; older builds may not).
-    Where it is unavailable, mixprec's FP8 matmuls are emulated (same quantisation, fp32 matmul).
+    ``_scaled_mm`` is tried the first time (torch 2.13 runs both forms on the CPU; torch 2.11
+    only per-tensor scales). Where it is unavailable, mixprec's FP8 matmuls are emulated (same
+    quantisation, fp32 matmul) or, for rowwise scales only, scaled after the FP8 product.
     """
-    key = (device.type, device.index)
+    key = (device.type, device.index, rowwise)
     known = _SCALED_MM.get(key)
     if known is not None:
         return known
@@ -81,8 +101,9 @@ def scaled_mm_available(device: torch.device) -> bool:
     elif ok:
         try:
             a = torch.zeros(16, 16, device=device).to(torch.float8_e4m3fn)
-            one = torch.ones((), device=device)
-            torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+            shape = (16, 1) if rowwise else ()
+            one = torch.ones(shape, device=device)
+            torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one.t(), out_dtype=torch.float32)
         except (RuntimeError, NotImplementedError, TypeError):
             ok = False
     _SCALED_MM[key] = ok

@@ -6,15 +6,17 @@ casts it inserts are ordinary autograd ops, so backward runs in the dtypes the f
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
 from torch.overrides import _pop_mode, _push_mode
 
+from mixprec._compat import autocast_state_traceable, dynamo_tracing
 from mixprec.dtypes import default_dtype, parse_device_type, parse_dtype, resolve_dtype
 from mixprec.eager.mode import AutocastMode, find_mode, torch_state
 from mixprec.eager.table import Region
@@ -124,15 +126,23 @@ class autocast:
         # torch's autocast state first, exactly as torch.autocast sets it: model code reads it
         # (torch.is_autocast_enabled, torch.amp.custom_fwd, torch.utils.checkpoint) and nested
         # torch.autocast regions change it; the mode reads it back before every rule.
-        saved = (_enabled(dev), _dtype(dev), torch.is_autocast_cache_enabled())
-        # Nesting first on entry and last on exit: a captured graph replayed inside another
-        # region (mixprec.graph) treats the pair as brackets around the state changes.
-        torch.autocast_increment_nesting()
-        torch.set_autocast_enabled(dev, self.enabled)
-        if self.enabled or self._dtype_given:
-            torch.set_autocast_dtype(dev, self.dtype)
-        if self.cache_enabled is not None:
-            torch.set_autocast_cache_enabled(self.cache_enabled)
+        saved: tuple | contextlib.AbstractContextManager
+        if dynamo_tracing() and not autocast_state_traceable():
+            # torch 2.11's dynamo cannot trace the setters below (a graph break, an error under
+            # fullgraph=True) but traces torch.autocast in a with-statement, which sets the same
+            # state (and, when disabled, the device's default dtype: unread there).
+            saved = _torch_region(dev, self.dtype, self.enabled, self.cache_enabled)
+            saved.__enter__()
+        else:
+            saved = (_enabled(dev), _dtype(dev), torch.is_autocast_cache_enabled())
+            # Nesting first on entry and last on exit: a captured graph replayed inside another
+            # region (mixprec.graph) treats the pair as brackets around the state changes.
+            torch.autocast_increment_nesting()
+            torch.set_autocast_enabled(dev, self.enabled)
+            if self.enabled or self._dtype_given:
+                torch.set_autocast_dtype(dev, self.dtype)
+            if self.cache_enabled is not None:
+                torch.set_autocast_cache_enabled(self.cache_enabled)
 
         mode = find_mode()
         prev_regions = mode.regions if mode is not None else ()
@@ -153,11 +163,14 @@ class autocast:
     def __exit__(self, *exc_info: object) -> None:
         mode, prev_regions, pushed, saved = self._frames.pop()
         dev = self.device_type
-        torch.set_autocast_enabled(dev, saved[0])
-        torch.set_autocast_dtype(dev, saved[1])
-        torch.set_autocast_cache_enabled(saved[2])
-        if torch.autocast_decrement_nesting() == 0:
-            torch.clear_autocast_cache()
+        if isinstance(saved, tuple):
+            torch.set_autocast_enabled(dev, saved[0])
+            torch.set_autocast_dtype(dev, saved[1])
+            torch.set_autocast_cache_enabled(saved[2])
+            if torch.autocast_decrement_nesting() == 0:
+                torch.clear_autocast_cache()
+        else:
+            saved.__exit__(None, None, None)
         if mode is None:
             return
         mode.set_state(prev_regions)
@@ -191,6 +204,16 @@ class autocast:
                 return func(*a, **kw)
 
         return decorate_autocast  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def _torch_region(
+    device_type: str, dtype: torch.dtype, enabled: bool, cache_enabled: bool | None
+) -> Iterator[None]:
+    """torch's autocast state as a with-statement, the one form torch 2.11's dynamo traces
+    when the region is entered and exited in separate methods."""
+    with torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled):
+        yield
 
 
 def _in_force() -> tuple[Region, ...]:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.overrides import _pop_mode, _push_mode
 
-from mixprec._compat import dynamo_tracing
+from mixprec._compat import autocast_state_traceable, dynamo_tracing
 from mixprec.eager import composites
 from mixprec.errors import BannedOpError
 from mixprec.policy.categories import OpCategory
@@ -358,6 +358,12 @@ class Guarded:
 
     def __call__(self, mode: Any, func: Callable[..., Any], args: tuple, kwargs: dict | None):
         dev = self.device_type
+        if dynamo_tracing() and not autocast_state_traceable():
+            # torch 2.11's dynamo traces torch.autocast but not the setter below.
+            with torch.autocast(dev, enabled=False):
+                if self.inner is None:
+                    return func(*args, **kwargs) if kwargs else func(*args)
+                return self.inner(mode, func, args, kwargs)
         _set_enabled(dev, False)
         try:
             if self.inner is None:

@@ -114,6 +114,12 @@ def scaled_mm(
         return out.to(out_dtype)
     a = _pad_last(a.contiguous())
     b = _pad_last(b.t().contiguous()).t()
+    if (inv_a.numel() > 1 or inv_b.numel() > 1) and not scaled_mm_available(a.device, True):
+        # Per-tensor scales only (torch 2.11's CPU kernel): the FP8 product with unit scales,
+        # in fp32, then the row and column scales, as the rowwise kernel applies them.
+        one = torch.ones((), device=a.device)
+        out = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)
+        return (out * inv_a * inv_b).to(out_dtype)
     return torch._scaled_mm(
         a, b, scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype, use_fast_accum=fast_accum
     )
