@@ -1,3 +1,3 @@
 """The single source of mixprec's version string."""
 
-__version__ = "0.6.0"
+__version__ = "0.7.0"
