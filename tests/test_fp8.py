@@ -78,10 +78,19 @@ def _run(layer: Fp8Linear, x: torch.Tensor, g: torch.Tensor):
     return out.detach(), x.grad, layer.weight.grad
 
 
-@pytest.mark.parametrize("emulate", [False, True], ids=["scaled_mm", "emulated"])
+@pytest.mark.parametrize(
+    "emulate", [False, True, "per-tensor"], ids=["scaled_mm", "emulated", "per_tensor_kernel"]
+)
 @pytest.mark.parametrize("recipe", RECIPE_CASES, ids=_ids)
 @pytest.mark.parametrize("m", [32, 19])  # 19 tokens: the weight-gradient GEMM pads K to 32
-def test_each_fp8_product_is_exact_on_representable_operands(recipe, emulate, m):
+def test_each_fp8_product_is_exact_on_representable_operands(recipe, emulate, m, monkeypatch):
+    if emulate == "per-tensor":  # a _scaled_mm without rowwise scales (torch 2.11's CPU kernel)
+        if not recipe.rowwise:
+            pytest.skip("only rowwise scales need the per-tensor fallback")
+        from mixprec import _compat
+
+        monkeypatch.setitem(_compat._SCALED_MM, ("cpu", None, True), False)
+        emulate = False
     k, n = 48, 32
     layer = _layer(recipe, k, n, emulate)
     gdt, gmax = recipe.grad_dtype, (E5M2_MAX if recipe.grad_dtype is E5M2 else E4M3_MAX)
