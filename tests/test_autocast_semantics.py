@@ -4,6 +4,7 @@ cache (counted with a dispatch mode), backward dtypes, the decorator form and ev
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 import weakref
 from unittest import mock
@@ -305,8 +306,11 @@ def test_region_dtype_reason_is_printable():
 
 
 def test_mode_pushes_and_pops_exactly_once():
+    # The module object itself: Python 3.10's mock resolves "mixprec.eager.autocast" to the
+    # class of that name, which the package re-exports.
+    module = sys.modules["mixprec.eager.autocast"]
     with (
-        mock.patch("mixprec.eager.autocast._push_mode", wraps=torch.overrides._push_mode) as push,
+        mock.patch.object(module, "_push_mode", wraps=torch.overrides._push_mode) as push,
         mixprec.autocast("cpu"),
         mixprec.autocast("cpu", dtype=FP16),
     ):

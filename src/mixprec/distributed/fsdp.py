@@ -223,6 +223,18 @@ def _cast_buffers(module: nn.Module, dtype: torch.dtype, keep_norms: bool) -> No
                 b.data = b.data.to(dtype)
 
 
+def sharding_mismatch(sharded: AmpOptions, options: AmpOptions, given: Any) -> str | None:
+    """What in `options` contradicts the options a model was sharded with: ``"level"`` (the
+    level or dtype, which fixed how the weights are stored, gathered and reduced), the name of a
+    model-side option the caller set explicitly (a key of `given`), or None."""
+    if sharded.level is not options.level or sharded.dtype != options.dtype:
+        return "level"
+    for key in MODEL_OPTIONS:
+        if key in given and getattr(options, key) != getattr(sharded, key):
+            return key
+    return None
+
+
 def sharded_options(model: nn.Module) -> AmpOptions | None:
     """The options `model` was sharded with by `fully_shard` (None if it was not)."""
     hooks = amp_hooks(model)

@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from mixprec.distributed import agreement
-from mixprec.distributed.fsdp import MODEL_OPTIONS, sharded_options
+from mixprec.distributed.fsdp import sharded_options, sharding_mismatch
 from mixprec.distributed.topology import DistributedError, ddp_params, fsdp_modules, unwrap_ddp
 from mixprec.dtypes import dtype_name
 from mixprec.errors import MixprecError
@@ -102,7 +102,8 @@ def model_kind(
 
 def _check_same_level(sharded: AmpOptions, options: AmpOptions, overrides: dict[str, Any]) -> None:
     fixed = f"{sharded.level.value} ({dtype_name(sharded.dtype)})"
-    if sharded.level is not options.level or sharded.dtype != options.dtype:
+    name = sharding_mismatch(sharded, options, overrides)
+    if name == "level":
         raise DistributedError(
             f"the model was sharded by mixprec.fully_shard at {fixed}, which fixed how its "
             f"weights are stored, gathered and reduced; initialize got "
@@ -110,13 +111,12 @@ def _check_same_level(sharded: AmpOptions, options: AmpOptions, overrides: dict[
             f"mixprec.initialize(model, optimizer, opt_level={sharded.level.value!r}, "
             f"dtype={dtype_name(sharded.dtype)!r}), or shard a fresh model at the level you want."
         )
-    for name in MODEL_OPTIONS:
-        if name in overrides and getattr(options, name) != getattr(sharded, name):
-            raise DistributedError(
-                f"{name}={overrides[name]!r} differs from what mixprec.fully_shard applied to "
-                f"this model ({name}={getattr(sharded, name)!r}); model-side options are fixed "
-                f"when sharding. Drop {name} here, or pass it to mixprec.fully_shard."
-            )
+    if name is not None:
+        raise DistributedError(
+            f"{name}={overrides[name]!r} differs from what mixprec.fully_shard applied to "
+            f"this model ({name}={getattr(sharded, name)!r}); model-side options are fixed "
+            f"when sharding. Drop {name} here, or pass it to mixprec.fully_shard."
+        )
 
 
 def already_initialized_message(model: nn.Module) -> str:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.distributed.fsdp import MODEL_OPTIONS, sharded_options
+from mixprec.distributed.fsdp import sharded_options, sharding_mismatch
 from mixprec.distributed.topology import fsdp_modules
 from mixprec.dtypes import dtype_name
 from mixprec.integrations.errors import IntegrationError
@@ -81,7 +81,8 @@ def check_sharded(
 def _check_same(name: str, sharded: AmpOptions, options: AmpOptions, given: dict) -> None:
     level, low = options.level.value, dtype_name(options.dtype)
     theirs, their_low = sharded.level.value, dtype_name(sharded.dtype)
-    if sharded.level is not options.level or sharded.dtype != options.dtype:
+    key = sharding_mismatch(sharded, options, given)
+    if key == "level":
         raise IntegrationError(
             f"{_where(name)} was sharded by mixprec.fully_shard at {theirs} ({their_low}), which "
             f"fixed how its weights are stored, gathered and reduced; the precision plugin runs "
@@ -89,13 +90,12 @@ def _check_same(name: str, sharded: AmpOptions, options: AmpOptions, given: dict
             f"opt_level={theirs!r}, dtype={their_low!r}) and the plugin's ({theirs!r}, "
             f"dtype={their_low!r})."
         )
-    for key in MODEL_OPTIONS:
-        if key in given and getattr(options, key) != getattr(sharded, key):
-            raise IntegrationError(
-                f"the plugin's {key}={given[key]!r} differs from what mixprec.fully_shard applied "
-                f"to {_where(name)} ({key}={getattr(sharded, key)!r}); model-side options are "
-                f"fixed when sharding. Pass {key} to mixprec.fully_shard only."
-            )
+    if key is not None:
+        raise IntegrationError(
+            f"the plugin's {key}={given[key]!r} differs from what mixprec.fully_shard applied "
+            f"to {_where(name)} ({key}={getattr(sharded, key)!r}); model-side options are "
+            f"fixed when sharding. Pass {key} to mixprec.fully_shard only."
+        )
 
 
 def _where(name: str) -> str:
