@@ -207,3 +207,36 @@ def test_functions_met_later_do_not_recompile_compiled_code():
         mixprec.float_function(lambda t: t * 2)(x)
         compiled(x)
     assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_user_functions_keep_their_category_in_a_compiled_region(backend, state_tracing):
+    # Dynamo evaluates has_torch_function as false for plain tensors, so no mode sees a
+    # declared function's call: its body used to be inlined past the policy (bf16 where the
+    # user asked for fp32).
+    w = torch.randn(16, 16)
+    seen = []
+
+    @mixprec.float_function
+    def island(x, w):
+        seen.append(torch.is_autocast_enabled("cpu"))
+        return x @ w
+
+    @mixprec.half_function
+    def low(x):
+        return x @ x.t()
+
+    def f(x):
+        return island(x @ w, w), low(x.double().float())
+
+    x = torch.randn(8, 16)
+    with mixprec.autocast("cpu"):
+        want = f(x)
+    counter = CompileCounter() if backend == "eager" else backend
+    compiled = torch.compile(f, backend=counter, fullgraph=True)
+    with mixprec.autocast("cpu"):
+        got = compiled(x)
+    assert [t.dtype for t in want] == [t.dtype for t in got] == [torch.float32, torch.bfloat16]
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    assert seen == [False, False]  # the body ran with autocast off, eagerly and in the trace

@@ -20,11 +20,13 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar, overload
 
 import torch
-from torch.overrides import handle_torch_function, has_torch_function
+from torch.overrides import _pop_mode, _push_mode, handle_torch_function, has_torch_function
 
+from mixprec._compat import dynamo_tracing
 from mixprec.dtypes import parse_device_type, parse_dtype
 from mixprec.eager.autocast import _in_force, _region, autocast
-from mixprec.eager.table import declared_functions
+from mixprec.eager.mode import find_mode
+from mixprec.eager.table import declared_functions, tables
 from mixprec.policy.categories import OpCategory
 from mixprec.policy.policy import CATEGORY_ATTR
 
@@ -141,11 +143,16 @@ def _require_callable(name: str, fn: object) -> None:
         )
 
 
+_EARLIER_RULES = "_mixprec_earlier_rules"
+
+
 def _declare(category: OpCategory, fn: F, decorator: str) -> F:
     _require_callable(decorator, fn)
 
     @functools.wraps(fn)
     def dispatchable(*args: Any, **kwargs: Any) -> Any:
+        if dynamo_tracing():
+            return _traced(dispatchable, fn, args, kwargs)
         relevant = (*args, *kwargs.values()) if kwargs else args
         if has_torch_function(relevant):
             return handle_torch_function(dispatchable, relevant, *args, **kwargs)
@@ -153,7 +160,33 @@ def _declare(category: OpCategory, fn: F, decorator: str) -> F:
 
     setattr(dispatchable, CATEGORY_ATTR, category)
     declared_functions().add(dispatchable)  # so every dispatch table enters it up front
+    # Tables built before it keep their memo (growing it would recompile compiled code); the
+    # function carries its rules under those tables itself, for traced calls (`_traced`).
+    setattr(
+        dispatchable,
+        _EARLIER_RULES,
+        {t.handle: t.rule_for_declared(dispatchable) for t in tables()},
+    )
     return dispatchable  # type: ignore[return-value]
+
+
+def _traced(dispatchable: Callable[..., Any], fn: Callable[..., Any], args: tuple, kwargs: dict):
+    """A declared function met by dynamo: it evaluates ``has_torch_function`` as false for plain
+    tensors, so the mode would never see the call and the body would be inlined past the
+    policy. Apply the rule here as the mode does: inputs cast, the body run with the mode off."""
+    mode = find_mode()
+    if mode is None or torch.overrides._get_current_function_mode() is not mode:
+        return fn(*args, **kwargs)
+    rule = mode.lookup(dispatchable)  # tables built after the declaration have it in memo
+    if rule is None:
+        rule = getattr(dispatchable, _EARLIER_RULES).get(mode.table.handle)
+    if rule is None:
+        return fn(*args, **kwargs)
+    _pop_mode()
+    try:
+        return rule(mode, fn, args, kwargs)
+    finally:
+        _push_mode(mode)
 
 
 def half_function(fn: F) -> F:

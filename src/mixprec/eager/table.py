@@ -70,6 +70,8 @@ class DispatchTable:
         self.memo: dict[Any, Any] = self._memo
         self.late: dict[Any, Any] = {}
         self._rules: dict[tuple[Any, ...], Any] = {}
+        #: Index in `tables()` (set when registered there).
+        self.handle = 0
         ruled: set[str] = set()
         watched: set[str] = set()  # passed through, but kept out of torch's dispatcher
         per_func: dict[Any, dict[str, Any]] = {}
@@ -151,6 +153,12 @@ class DispatchTable:
         if len(by_dev) == 1:
             return next(iter(by_dev.values()))
         return DeviceSwitch(by_dev)
+
+    def rule_for_declared(self, func: Any) -> Any:
+        """The rule of a function declared after this table was built (``@mixprec.float_function``
+        & co.), computed at declaration: such a function is in no `memo` of an older table, and
+        dynamo never shows its call to the mode, so the wrapper keeps these rules itself."""
+        return self._classify(func)
 
     def classify(self, func: Any) -> Any:
         """Find (and remember in `late`) the rule for a function not in `memo`; None = pass."""
@@ -268,7 +276,7 @@ def _handle_by_value(regions: tuple[Region, ...]) -> int:
     if handle is None:
         table = DispatchTable(tuple(p.resolve(dev, dtype) for dev, dtype, p in regions))
         _TABLES.append(table)
-        handle = _HANDLES[regions] = len(_TABLES) - 1
+        handle = table.handle = _HANDLES[regions] = len(_TABLES) - 1
     return handle
 
 
