@@ -605,3 +605,27 @@ def test_activation_checkpoint_inside_the_graph():
     assert got.dtype == FP32 and torch.equal(got, want)
     for p, g in zip(block.parameters(), want_grads, strict=True):
         torch.testing.assert_close(p.grad, g, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_the_mode_steps_aside_while_a_compiled_graph_runs(backend, monkeypatch):
+    # The graph is cast already; inside the backend's region mixprec's mode would otherwise see
+    # every kernel call the graph makes (inductor's extern mm with out=) and charge its Python
+    # dispatch for each, for nothing.
+    from mixprec.eager.mode import AutocastMode
+
+    torch.manual_seed(0)
+    model = seed_mlp(width=32, depth=3)
+    x = torch.randn(8, 32)
+    compiled = mixprec.compile(model, backend=backend, dtype=BF16)
+    want = compiled(x)
+    seen = []
+    original = AutocastMode.__torch_function__
+
+    def spy(self, func, types, args=(), kwargs=None):
+        seen.append(func)
+        return original(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(AutocastMode, "__torch_function__", spy)
+    got = compiled(x)
+    assert seen == [] and got.dtype == want.dtype and torch.equal(got, want)

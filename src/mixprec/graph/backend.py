@@ -27,9 +27,11 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.overrides import _pop_mode, _push_mode
 
 from mixprec.dtypes import parse_device_type, resolve_dtype
 from mixprec.eager.autocast import autocast
+from mixprec.eager.mode import AutocastMode
 from mixprec.errors import PolicyError
 from mixprec.graph.casts import CAST_MODES, CastReport, minimise_casts
 from mixprec.graph.trace import trace_with_policy
@@ -302,6 +304,17 @@ def _without_torch_autocast(compiled: Callable[..., Any]) -> Callable[..., Any]:
     recasts its ops (the calls run inside the backend's region, where it is on)."""
 
     def run(*args: Any) -> Any:
+        # The graph is cast already: mixprec's mode, still on the stack inside the region,
+        # would only see the kernels' own calls (extern mm with out=, which no rule casts) and
+        # charge its Python dispatch for each. Step it aside while the graph runs.
+        mode = torch.overrides._get_current_function_mode()
+        if isinstance(mode, AutocastMode):
+            _pop_mode()
+            try:
+                with torch._C._DisableAutocast():
+                    return compiled(*args)
+            finally:
+                _push_mode(mode)
         with torch._C._DisableAutocast():
             return compiled(*args)
 
