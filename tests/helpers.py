@@ -43,3 +43,19 @@ def no_host_reads() -> Iterator[None]:
 
 
 __all__ = ["CastCounter", "dtypes_of", "no_host_reads", "scaled_dot"]
+
+
+# The integration tests' tiny regression task (Lightning, Accelerate, the Transformers Trainer):
+# the same data, network and scaler settings, so each framework is checked on one problem.
+INF = float("inf")
+STEPS = 6
+_g = torch.Generator().manual_seed(0)
+X, Y = torch.randn(STEPS * 8, 8, generator=_g), torch.randn(STEPS * 8, 4, generator=_g)
+SCALER = {"init_scale": 2.0**10}
+
+
+def tiny_net() -> torch.nn.Module:
+    """Linear -> LayerNorm -> Tanh -> Linear, seeded: every run starts from the same weights."""
+    torch.manual_seed(1)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 4))  # fmt: skip

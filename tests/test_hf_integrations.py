@@ -23,11 +23,9 @@ transformers = pytest.importorskip("transformers")
 from mixprec.integrations.accelerate import AmpAccelerator  # noqa: E402
 from mixprec.integrations.engine import AmpConfig, IntegrationError  # noqa: E402
 from mixprec.integrations.transformers import AmpMetricsCallback, AmpTrainer  # noqa: E402
+from tests.helpers import INF, SCALER, STEPS, X, Y, tiny_net  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
-
-INF = float("inf")
-STEPS = 6
 
 
 def _reset_accelerate() -> None:
@@ -45,19 +43,8 @@ def _fresh_accelerate_state():
     _reset_accelerate()
 
 
-_g = torch.Generator().manual_seed(0)
-X, Y = torch.randn(STEPS * 8, 8, generator=_g), torch.randn(STEPS * 8, 4, generator=_g)
-SCALER = {"init_scale": 2.0**10}
-
-
-def _net() -> torch.nn.Module:
-    torch.manual_seed(1)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Tanh(),
-                               torch.nn.Linear(16, 4))  # fmt: skip
-
-
 def _parts():
-    model = _net()
+    model = tiny_net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, Y), batch_size=8)

@@ -23,20 +23,9 @@ from mixprec.integrations.lightning import (  # noqa: E402
     MixprecFSDPPrecision,
     MixprecPrecision,
 )
+from tests.helpers import INF, SCALER, STEPS, X, Y, tiny_net  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
-
-INF = float("inf")
-STEPS = 6
-_g = torch.Generator().manual_seed(0)
-X, Y = torch.randn(STEPS * 8, 8, generator=_g), torch.randn(STEPS * 8, 4, generator=_g)
-SCALER = {"init_scale": 2.0**10}
-
-
-def _net() -> torch.nn.Module:
-    torch.manual_seed(1)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Tanh(),
-                               torch.nn.Linear(16, 4))  # fmt: skip
 
 
 def _loader(batch: int = 8) -> torch.utils.data.DataLoader:
@@ -51,7 +40,7 @@ def _opt_and_sched(params):
 class Module(L.LightningModule):
     def __init__(self, bad=(), clip=None, manual=False):
         super().__init__()
-        self.net = _net()
+        self.net = tiny_net()
         self.bad, self.manual = set(bad), manual
         self.automatic_optimization = not manual
         self.losses: list[float] = []
@@ -110,7 +99,7 @@ def _fit(plugin, module=None, steps=STEPS, callbacks=(), accumulate=1, clip=None
 
 def _hand(level, dtype, bad=(), steps=STEPS, accumulate=1, clip=None):
     """The same run written by hand with mixprec.initialize (the reference)."""
-    model = _net()
+    model = tiny_net()
     opt, sched = _opt_and_sched(model.parameters())
     model, amp = mixprec.initialize(model, opt, level, dtype=dtype)
     if amp.scaler is not None:
@@ -237,7 +226,7 @@ def test_fabric_o1_and_o2_equal_the_hand_written_loop():
     for level in ("O1", "O2"):
         plugin = MixprecFabricPrecision(level, "fp16", device="cpu", scaler=SCALER)
         fabric = L.Fabric(accelerator="cpu", plugins=[plugin])
-        model = _net()
+        model = tiny_net()
         opt, sched = _opt_and_sched(model.parameters())
         if level == "O2":
             with pytest.raises(IntegrationError, match=r"precision.initialize\(model, optimizer"):
@@ -269,7 +258,7 @@ def test_fabric_o1_and_o2_equal_the_hand_written_loop():
 def test_fabric_checkpoint_carries_the_scaler(tmp_path):
     plugin = MixprecFabricPrecision("O1", "fp16", device="cpu", scaler=SCALER)
     fabric = L.Fabric(accelerator="cpu", plugins=[plugin])
-    net = _net()
+    net = tiny_net()
     model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
     x, y = X[:8], Y[:8]
     fabric.backward(F.mse_loss(model(x), y) * INF)
@@ -277,7 +266,7 @@ def test_fabric_checkpoint_carries_the_scaler(tmp_path):
     fabric.save(tmp_path / "c.pt", {"model": model, "optimizer": opt, "amp": plugin})
     other = MixprecFabricPrecision("O1", "fp16", device="cpu", scaler=SCALER)
     fabric2 = L.Fabric(accelerator="cpu", plugins=[other])
-    net2 = _net()
+    net2 = tiny_net()
     m2, o2 = fabric2.setup(net2, torch.optim.SGD(net2.parameters(), lr=0.1))
     fabric2.load(tmp_path / "c.pt", {"model": m2, "optimizer": o2, "amp": other})
     assert other.scaler.get_scale() == 512.0 and other.scaler.stats()["losses"][0]["skipped"] == 1
@@ -302,7 +291,7 @@ def test_fsdp_plugin_maps_levels_to_fsdp_mixed_precision():
     assert strategy.precision_plugin is o2
     # Lightning keeps the user's optimizer (FSDP.optim_state_dict reads torch's state-dict
     # format, not an AmpOptimizer's); the engine's step, given it, finds the scaled AmpOptimizer.
-    net = _net()
+    net = tiny_net()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     o2.convert_module(net)
     _, kept, _ = o2.connect(net, [opt], [])
@@ -323,7 +312,7 @@ def test_plugin_errors_name_the_fix():
     with pytest.raises(IntegrationError, match="not a GradScaler argument.*init_scale"):
         MixprecPrecision("O1", "fp16", scaler={"init_scal": 1.0})
     plugin = MixprecPrecision("O1", "bf16", device="cpu")
-    net = _net()
+    net = tiny_net()
     amp_model, amp = mixprec.initialize(net, torch.optim.SGD(net.parameters(), lr=1), "O2",
                                         dtype="bf16")  # fmt: skip
     with pytest.raises(IntegrationError, match="already prepared by mixprec.initialize"):
