@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import socket
@@ -108,7 +109,9 @@ def measure(width: int, depth: int, batch: int, device: str,
     for config in CONFIGS:
         model, opt = _setup(config, width, depth, device, dtype)
         if device == "cuda":
+            gc.collect()  # the previous configuration's objects, if a cycle still holds them
             torch.cuda.synchronize()
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         for _ in range(2):  # the second step runs with the optimizer state and snapshots in place
             _step(model, opt, x)

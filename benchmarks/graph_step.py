@@ -12,7 +12,7 @@ row per variant:
   O1 eager fp16/bf16   mixprec.initialize O1 + scale_loss, eager
   TrainStep ...        mixprec.TrainStep: O1 fp16 (dynamic scaling), O1 bf16, O2 fp16, all
                        with the manual route's fused optimizer; "O1 fp16 any-opt" with the
-                       workload's plain optimizer (the device-side snapshot-and-restore skip);
+                       workload's optimizer unfused (the device-side snapshot-and-restore skip);
                        "O1 bf16+compile" adds torch.compile of the model
 
 Timing: after warm-up, `--steps` steps are launched back to back and the device is synchronised
@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
+import inspect
 import json
 import statistics
 import sys
@@ -80,8 +82,11 @@ def _fused_optimizer(workload: Workload, model: torch.nn.Module) -> torch.optim.
     group["fused"] = True
     if "capturable" in group:
         group["capturable"] = True
+    # Keep what the constructor takes: `defaults` can hold more (torch 2.11's AdamW records
+    # decoupled_weight_decay there, which its __init__ rejects).
+    accepted = inspect.signature(type(base).__init__).parameters
     return type(base)(model.parameters(), **{k: v for k, v in group.items()
-                                             if k in base.defaults})  # fmt: skip
+                                             if k in base.defaults and k in accepted})  # fmt: skip
 
 
 def _manual_capture(workload, model, batch, device, dtype) -> Callable[[], torch.Tensor]:
@@ -173,8 +178,12 @@ def build(name: str, workload: Workload, params: dict, device: str,
 
         return step
     level = "O2" if "O2" in name else "O1"
-    plain = "any-opt" in name or device != "cuda"
-    opt = workload.optimizer(model, device) if plain else _fused_optimizer(workload, model)
+    if "any-opt" in name:  # the workload's optimizer without fused kernels, as users have it
+        opt = workload.optimizer(model, "cpu")
+    elif device != "cuda":
+        opt = workload.optimizer(model, device)
+    else:
+        opt = _fused_optimizer(workload, model)
     compiled = {"backend": compile_backend} if "compile" in name else False
     train_step = mixprec.TrainStep(model, opt, compute_loss=compute, opt_level=level,
                                    dtype=dtype, compile=compiled)  # fmt: skip
@@ -195,6 +204,10 @@ def measure(step: Callable[[], torch.Tensor], device: str, warmup: int, steps: i
         step()
     _sync(device)
     if device == "cuda":
+        # An earlier variant's model and optimizer can sit in a reference cycle (torch's first
+        # optimizer construction leaves one) until a collection: free them before the peak.
+        gc.collect()
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     per_round = []
     loss = None

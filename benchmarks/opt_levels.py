@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import platform
 import statistics
@@ -74,6 +75,8 @@ def _measure(name, device, dtype, cfg, batch, steps, warmup) -> dict:
     sync()
     held = peak = None
     if device == "cuda":
+        gc.collect()  # an earlier level's objects in a reference cycle must not count here
+        torch.cuda.empty_cache()
         held = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
     times = []

@@ -22,8 +22,10 @@ import time
 import xml.etree.ElementTree as ET
 from datetime import datetime
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / "benchmarks" / "gpu_suite.py"
@@ -436,3 +438,43 @@ def test_no_sync_figures_judge_only_the_sync_free_configurations(tmp_path):
     rows[0]["error_mode"] = "raised at scaler.py:400 step"  # the counts missed a sync
     (tmp_path / "c.json").write_text(json.dumps({"meta": {}, "rows": rows}))
     assert "the count is wrong" in extract.extract_no_sync(_cuda_ctx(tmp_path), "").problems[0]
+
+
+def test_ddp_failed_checks_count_each_check_once(tmp_path):
+    from suite import extract
+
+    # ddp_trainstep.py repeats the run's whole list of failed checks in every record
+    failed = ["O1: never captured (capture needs CUDA)"]
+    rows = [{"level": level, "dtype": "bf16", "rank": 0, "world_size": 1, "eager_ms": 2.0,
+             "captured_ms": 1.0, "speedup": 2.0, "first_captured_call": 12,
+             "agrees_with_eager": True, "failed": failed} for level in ("O1", "O2")]  # fmt: skip
+    (tmp_path / "j-ddp.json").write_text(json.dumps(rows))
+    f = extract.extract_ddp(_cuda_ctx(tmp_path), "")
+    assert f.values["failed checks"] == 1
+    assert f.values["O1 bf16 captured / eager"] == 0.5
+    for r in rows:
+        r["failed"] = []
+    (tmp_path / "j-ddp.json").write_text(json.dumps(rows))
+    assert extract.extract_ddp(_cuda_ctx(tmp_path), "").values["failed checks"] == 0
+
+
+def test_manual_capture_optimizer_keeps_only_what_the_constructor_takes():
+    import graph_step  # benchmarks/, on sys.path once the suite is loaded
+    from mixprec.bench.workloads import WORKLOADS
+
+    class Recording(torch.optim.SGD):
+        """Records a default its constructor does not take (torch 2.11's AdamW does that)."""
+
+        def __init__(self, params, lr=0.1, momentum=0.0, fused=None):
+            super().__init__(params, lr=lr, momentum=momentum, fused=fused)
+            self.defaults["decoupled"] = True
+            for group in self.param_groups:
+                group["decoupled"] = True
+
+    workload = SimpleNamespace(optimizer=lambda m, dev: Recording(m.parameters(), 0.5, 0.9))
+    opt = graph_step._fused_optimizer(workload, torch.nn.Linear(4, 4))
+    assert type(opt) is Recording
+    assert (opt.defaults["lr"], opt.defaults["momentum"], opt.defaults["fused"]) == (0.5, 0.9, True)
+    for name, w in WORKLOADS.items():
+        opt = graph_step._fused_optimizer(w, torch.nn.Linear(4, 4))
+        assert opt.defaults["fused"] is True, name
