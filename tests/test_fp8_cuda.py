@@ -65,7 +65,10 @@ def test_captured_fp8_trainstep_equals_eager_steps(recipe):
         batches.append((x, torch.randint(0, 10, (32,), device="cuda", generator=g)))
     kw = dict(opt_level="O2", dtype="bf16", fp8=recipe, loss_scale=1024.0)
     a, b = model(), model()
-    eager = mixprec.TrainStep(a, torch.optim.AdamW(a.parameters(), lr=1e-3, fused=True,
+    # Capture turns the lr into an fp32 device tensor (the fused kernel then reads 1e-3 rounded
+    # to fp32): the eager reference gets the same, or the two runs differ in the last bit.
+    lr = torch.tensor(1e-3, device="cuda")
+    eager = mixprec.TrainStep(a, torch.optim.AdamW(a.parameters(), lr=lr, fused=True,
                               capturable=True), F.cross_entropy, capture="eager", **kw)  # fmt: skip
     captured = mixprec.TrainStep(b, torch.optim.AdamW(b.parameters(), lr=1e-3, fused=True),
                                  F.cross_entropy, **kw)  # fmt: skip

@@ -36,6 +36,32 @@ def test_every_op_torch_autocasts_is_in_our_table(table, key):
     assert not missing, f"torch autocasts these on {table} but our table lacks them: {missing}"
 
 
+@pytest.mark.parametrize(
+    "table,key", [("cuda", "AutocastCUDA"), ("cpu", "AutocastCPU"), ("xpu", "AutocastXPU"),
+                  ("mps", "AutocastMPS")],
+)  # fmt: skip
+def test_our_table_lists_no_op_this_torch_leaves_alone(table, key):
+    """The reverse: an op we list as torch's (not a composite) has torch's autocast kernel in
+    the running release. rms_norm's entry comes and goes with the release (2.11 has none)."""
+    overloads: dict[str, list[str]] = {}
+    for n in torch._C._dispatch_get_all_op_names():
+        if n.startswith("aten::"):
+            overloads.setdefault(n.split("::")[1].split(".")[0], []).append(n)
+    t = TABLES[table]
+    extra = {
+        op for op in t.ops
+        if op in overloads and "composite" not in t.sources[op]
+        and not any(torch._C._dispatch_has_kernel_for_dispatch_key(n, key) for n in overloads[op])
+    }  # fmt: skip
+    if table == "cuda" and torch.version.cuda is None:
+        extra.discard("_cudnn_rnn")  # registered by a CUDA-only source file
+    assert not extra, f"our {table} table lists ops this torch's autocast leaves alone: {extra}"
+    from mixprec.policy.tables import RELEASE_DEPENDENT, _autocasts
+
+    for op in RELEASE_DEPENDENT:
+        assert (op in t.ops) == _autocasts(op, table), op
+
+
 def test_tables_name_real_ops():
     """Every table entry is an op this torch knows (a typo would silently never match)."""
     known = set(mixprec.policy.known_op_names()) | {

@@ -13,9 +13,7 @@ training. Numerics are untouched: the rules and the casts are those of ``mixprec
 
 from __future__ import annotations
 
-import json
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +22,7 @@ from torch.overrides import _pop_mode, _push_mode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from mixprec.diagnostics.explain_report import _FP32_NAME, ExplainReport
 from mixprec.dtypes import dtype_name, parse_device_type
 from mixprec.eager.autocast import autocast
 from mixprec.eager.mode import AutocastMode, find_mode
@@ -37,10 +36,9 @@ from mixprec.eager.rules import (
 )
 from mixprec.errors import MixprecError
 from mixprec.fp8.convert import fp8_layers
-from mixprec.fp8.report import Fp8Report, fp8_report
+from mixprec.fp8.report import fp8_report
 from mixprec.policy.categories import OpCategory
 from mixprec.policy.entrypoints import op_name
-from mixprec.policy.modules import ModuleDecision
 from mixprec.policy.policy import Policy
 
 if TYPE_CHECKING:
@@ -48,9 +46,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ExplainDeviceError", "ExplainReport", "explain"]
 
-_LOW_NAMES = (dtype_name(torch.float16), dtype_name(torch.bfloat16))
 _FP8_OP = "mixprec::fp8_linear"
-_FP32_NAME = dtype_name(torch.float32)
 
 
 def _flop_registry() -> dict[Any, Any]:
@@ -298,215 +294,6 @@ class _ModuleStack:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
-
-
-class ExplainReport:
-    """What one forward (and optionally backward) ran in which precision, call by call.
-
-    Attributes:
-        rows: one dict per torch call that returned a tensor (see :meth:`ExplainReport.__str__`
-            for the columns), in execution order.
-        device_type, dtype, policy: the region explained.
-        flops: matmul/convolution FLOPs per dtype name, ``{'forward': {...}, 'backward': {...}}``.
-        ping_pong: chains low -> fp32 -> low: an fp32 op between two low-precision ops, each
-            with the modules involved and the bytes its two casts cost.
-    """
-
-    def __init__(self, recorder: _Recorder, device_type: str, dtype: torch.dtype,
-                 flops: _Flops, backward: bool) -> None:  # fmt: skip
-        self.rows = [r.as_dict() for r in recorder.rows]
-        self.device_type = device_type
-        self.dtype = dtype
-        self.policy = recorder.policy
-        self.flops = {"forward": dict(_total(r.flops for r in recorder.rows))}
-        if backward:
-            self.flops["backward"] = dict(flops.backward)
-        self.ping_pong = _ping_pong(recorder)
-        self.fp8: Fp8Report | None = None  # FP8 layers: scales, amaxes, error on this batch
-        self.fp8_plan: tuple[ModuleDecision, ...] = ()  # FP8 rules of a model not yet converted
-
-    # ---- summaries
-    @property
-    def casts(self) -> int:
-        """Casts executed in the forward (cache hits of cast weights not counted)."""
-        return sum(r["casts"] for r in self.rows)
-
-    @property
-    def cast_bytes(self) -> int:
-        """Bytes written by those casts."""
-        return sum(r["cast_bytes"] for r in self.rows)
-
-    def low_precision_share(self, phase: str = "forward") -> float | None:
-        """Fraction of matmul/convolution FLOPs that ran in fp16/bf16 or FP8 (None: no such op
-        ran). FP8 layers' forward GEMMs count as ``'fp8'`` in `flops` (their backward GEMMs run
-        inside one op and are not counted)."""
-        counts = self.flops.get(phase, {})
-        total = sum(counts.values())
-        if not total:
-            return None
-        return sum(v for k, v in counts.items() if k in (*_LOW_NAMES, "fp8")) / total
-
-    def summary(self) -> dict[str, Any]:
-        """The headline numbers, as Python values."""
-        by_cat = Counter(r["category"] for r in self.rows)
-        return {
-            "device_type": self.device_type,
-            "dtype": dtype_name(self.dtype),
-            "policy": str(self.policy),
-            "calls": len(self.rows),
-            "calls_by_category": dict(by_cat),
-            "casts": self.casts,
-            "cast_bytes": self.cast_bytes,
-            "weight_casts": sum(
-                1 for r in self.rows for c in r["cast_detail"] if c["weight"] and not c["cached"]
-            ),
-            "ping_pong": len(self.ping_pong),
-            "fp8_layers": len(self.fp8) if self.fp8 is not None else 0,
-            "low_precision_flop_share": {p: self.low_precision_share(p) for p in self.flops},
-        }
-
-    def to_json(self, indent: int | None = 2) -> str:
-        """Summary, ping-pong chains and rows as a JSON document."""
-        doc = {"summary": self.summary(), "ping_pong": self.ping_pong, "flops": self.flops,
-               "rows": self.rows}  # fmt: skip
-        return json.dumps(doc, indent=indent)
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        return iter(self.rows)
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __str__(self) -> str:
-        return self.format()
-
-    def format(
-        self,
-        *,
-        all_calls: bool = False,
-        width: int = 48,
-        all_hint: str = "report.format(all_calls=True) or report.rows lists them",
-    ) -> str:
-        """A readable table. Pass-through calls without casts are hidden unless `all_calls`.
-
-        Module and op names are never cut so that two rows read alike: their columns widen to
-        the longest name (up to 40 characters), and a longer name loses characters from its
-        middle, keeping its first and last parts (where ``...attn.c_attn`` and ``...attn.c_proj``
-        differ). `width` caps the reason column; `all_hint` tells how to see hidden calls (the
-        command line passes ``--all``).
-        """
-        s = self.summary()
-        lines = [
-            f"mixprec.explain: {s['device_type']} {s['dtype']}, policy {s['policy']}",
-            f"{s['calls']} calls: "
-            + ", ".join(f"{n} {k}" for k, n in sorted(s["calls_by_category"].items())),
-            f"casts: {s['casts']} ({_bytes(s['cast_bytes'])}), of weights {s['weight_casts']}; "
-            f"ping-pong chains: {s['ping_pong']}",
-        ]
-        for phase, share in s["low_precision_flop_share"].items():
-            if share is not None:
-                lines.append(f"matmul/conv FLOPs in low precision ({phase}): {share:.1%}")
-        lines.append("")
-        shown = [r for r in self.rows
-                 if all_calls or r["category"] != "passthrough" or r["cast_detail"]]  # fmt: skip
-        hidden = len(self.rows) - len(shown)
-        modules, mw = _column([r["module"] for r in shown], "module", 40)
-        ops, ow = _column([r["op"] for r in shown], "op", 30)
-        flow = "in -> ran in -> out"
-        cat = "category"
-        lines.append(f"{'#':>4}  {'module':<{mw}} {'op':<{ow}} {cat:<11} {flow:<30} casts  reason")
-        for r in shown:
-            flow = f"{_short(r['inputs'])} -> {_short(r['ran_in'])} -> {_short(r['outputs'])}"
-            casts = str(r["casts"]) + ("+c" if r["cached_casts"] else "")
-            lines.append(
-                f"{r['index']:>4}  {modules[r['module']]:<{mw}} {ops[r['op']]:<{ow}} "
-                f"{r['category']:<11} {_clip(flow, 30):<30} {casts:>5}  {_clip(r['reason'], width)}"
-            )
-        if hidden:
-            lines.append(f"({hidden} pass-through calls without casts not shown; {all_hint})")
-        if self.ping_pong:
-            lines.append("")
-            lines.append("ping-pong (low -> fp32 -> low; each costs two casts):")
-            for p in self.ping_pong:
-                lines.append(f"  {p['path']}  ({_bytes(p['bytes'])})")
-        if self.fp8 is not None:
-            lines += ["", str(self.fp8)]
-            lines += [f"  {layer.module}: {layer.reason}" for layer in self.fp8]
-        if self.fp8_plan:
-            lines += [
-                "",
-                "FP8 plan of the policy's rules (not applied: the model has no FP8 layers; "
-                "mixprec.to_fp8 or initialize(..., fp8=...) converts it):",
-            ]
-            lines += [f"  {d}" for d in self.fp8_plan]
-        return "\n".join(lines)
-
-    def __repr__(self) -> str:
-        s = self.summary()
-        return f"<ExplainReport {s['calls']} calls, {s['casts']} casts, {s['ping_pong']} ping-pong>"
-
-
-def _total(counters: Iterator[dict[str, int]]) -> Counter[str]:
-    out: Counter[str] = Counter()
-    for c in counters:
-        out.update(c)
-    return out
-
-
-def _ping_pong(rec: _Recorder) -> list[dict[str, Any]]:
-    """Chains p -> r -> q where r casts p's low output up to fp32 and q casts r's output down."""
-    up: dict[int, tuple[int, int]] = {}  # fp32 row -> (producer row, bytes of its up-cast)
-    for p, r, src, dst, nbytes in rec.edges:
-        if src in _LOW_NAMES and dst == _FP32_NAME:
-            up.setdefault(r, (p, nbytes))
-    chains = []
-    rows = rec.rows
-    for r, q, src, dst, nbytes in rec.edges:
-        if r in up and src == _FP32_NAME and dst in _LOW_NAMES:
-            p, up_bytes = up[r]
-            cost = up_bytes + nbytes
-            path = " -> ".join(f"{rows[i].module or '-'}:{rows[i].op}" for i in (p, r, q))
-            chains.append({"rows": [p, r, q], "path": path, "bytes": cost})
-    return chains
-
-
-def _short(dtypes: list[str]) -> str:
-    uniq = list(dict.fromkeys(dtypes))
-    return "/".join(uniq) or "-"
-
-
-def _clip(text: str, n: int) -> str:
-    return text if len(text) <= n else text[: n - 1] + "~"
-
-
-def _elide(text: str, n: int) -> str:
-    """`text` in at most `n` characters: the middle gives way to ``~``, the start and the end
-    stay (a module path differs from its siblings at its end: ``attn.c_attn``/``attn.c_proj``)."""
-    if len(text) <= n:
-        return text
-    head = max((n - 1) // 3, 1)
-    return text[:head] + "~" + text[len(text) - (n - 1 - head) :]
-
-
-def _column(names: list[str], title: str, cap: int) -> tuple[dict[str, str], int]:
-    """Display form of each name and the column width: as wide as the longest name up to `cap`,
-    wider still where eliding would make two different names read alike."""
-    distinct = list(dict.fromkeys(names))
-    width = max([len(title), *map(len, distinct)])
-    n = min(width, cap)
-    while True:
-        shown = {name: _elide(name, n) for name in distinct}
-        if n >= width or len(set(shown.values())) == len(distinct):
-            return shown, n
-        n += 1
-
-
-def _bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # pragma: no cover
 
 
 class ExplainDeviceError(MixprecError, ValueError):

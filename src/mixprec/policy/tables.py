@@ -9,7 +9,8 @@ torch.autocast sees ops *inside* C++ composite functions, because it sits in the
 Python-level engine sees only the outer call of a C++ composite, so the ``COMPOSITE_*`` lists give
 such outer calls the category that reproduces torch's result (e.g. ``tensordot`` on CPU is lowered
 because its C++ body calls ``mm``). A test asserts that every op torch registers is listed here
-(``torch._C._dispatch_has_kernel_for_dispatch_key``), and a sweep over torch's OpInfo database
+(``torch._C._dispatch_has_kernel_for_dispatch_key``) and nothing more (``RELEASE_DEPENDENT``
+entries follow the running torch), and a sweep over torch's OpInfo database
 finds the composites.
 """
 
@@ -18,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+
+import torch
 
 from mixprec.policy.categories import OpCategory
 
@@ -53,6 +56,24 @@ class OpTable:
         return frozenset(n for n, c in self.ops.items() if c is category)
 
 
+#: Registered entries that torch.autocast gained after the oldest release mixprec supports: each
+#: is listed only where the running torch registers the autocast kernel (checked once, at import),
+#: so that mixprec matches the torch it runs on, release by release.
+RELEASE_DEPENDENT: Mapping[str, str] = MappingProxyType({
+    "rms_norm": "CUDA and XPU since a release after 2.11; 2.11 runs it in the input dtype",
+})  # fmt: skip
+
+
+def _autocasts(op: str, device_type: str) -> bool:
+    """Whether this torch registers an autocast kernel for `op` on `device_type`."""
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(
+            f"aten::{op}", f"Autocast{device_type.upper()}"
+        )
+    except RuntimeError:  # the op itself does not exist in this release
+        return False
+
+
 def _table(
     name: str,
     description: str,
@@ -63,8 +84,12 @@ def _table(
     sources: dict[str, str] = {}
     for cat, names in registered.items():
         for n in names:
+            if n in RELEASE_DEPENDENT and not _autocasts(n, name):
+                continue  # this torch's autocast leaves the op alone: so does mixprec
             ops[n] = cat
             sources[n] = f"torch.autocast's {name.upper()} {cat.value} list"
+            if n in RELEASE_DEPENDENT:
+                sources[n] += f" ({RELEASE_DEPENDENT[n]})"
     for cat, names in composites.items():
         for n in names:
             ops[n] = cat
