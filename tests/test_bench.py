@@ -9,7 +9,9 @@ import os
 import subprocess
 import sys
 import time
+import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -250,3 +252,61 @@ def test_readme_bench_on_slow_16_bit_matmuls_ends_within_its_budget(tmp_path):
     if any(r["pct_of_peak_matmul"] and r["pct_of_peak_matmul"] > 100 for r in rows):
         assert "* above 100%" in out.stdout
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+# ---------------------------------------------------------------------------- the rows
+
+
+class _FlagSpy(torch.nn.Linear):
+    """Records torch's TF32 flags each time it runs."""
+
+    seen: list[tuple[bool, bool]] = []
+    weight_ref: Any = None
+
+    def forward(self, x):
+        _FlagSpy.seen.append((torch.backends.cuda.matmul.allow_tf32,
+                              torch.backends.cudnn.allow_tf32))  # fmt: skip
+        _FlagSpy.weight_ref = weakref.ref(self.weight)
+        return super().forward(x)
+
+
+def _spy_workload() -> Workload:
+    def build(p, device):
+        return _FlagSpy(4, 4).to(device), (torch.randn(2, 4), torch.randn(2, 4))
+
+    size = WorkloadSize("tiny", 1, 1, {})
+    return Workload("spy", "spy", size, size, build, lambda out, b: (out - b[1]).pow(2).mean(),
+                    lambda m, dev: torch.optim.SGD(m.parameters(), lr=0.1))  # fmt: skip
+
+
+@pytest.mark.parametrize("name,want", [("fp32", (False, False)), ("tf32", (True, True))])
+def test_fp32_row_turns_tf32_off_for_convolutions_too(name, want):
+    """torch leaves cuDNN's TF32 on by default: the fp32 baseline must say no explicitly."""
+    from mixprec.bench.variants import VARIANTS
+
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cudnn.allow_tf32 = True  # torch's default
+    try:
+        w = _spy_workload()
+        step, _ = VARIANTS[name].build(w, w.small, "cpu", torch.bfloat16)
+        _FlagSpy.seen.clear()
+        step()
+        assert _FlagSpy.seen == [want]
+        assert torch.backends.cudnn.allow_tf32 is True  # restored after the step
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def test_a_closed_row_keeps_nothing_of_its_model_alive():
+    """A member keeps its last loss for the table; with its graph, that loss would hold every
+    parameter and gradient, and those would count in every later row's peak memory."""
+    from mixprec.bench.variants import VARIANTS
+
+    w = _spy_workload()
+    step, cleanup = VARIANTS["fp32"].build(w, w.small, "cpu", torch.float32)
+    member = runner._Member(VARIANTS["fp32"], step, cleanup)
+    del step
+    member.run("cpu", timed=True)
+    member.close("cpu")  # drops the step (and its model), then collects
+    assert member.loss is not None and member.loss.grad_fn is None
+    assert _FlagSpy.weight_ref() is None

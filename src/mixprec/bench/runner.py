@@ -88,7 +88,9 @@ class _Member:
 
     def run(self, device: str, timed: bool) -> float:
         t0 = time.perf_counter()
-        self.loss = self.step()
+        # detached: the loss's graph reaches every parameter and its gradient (AccumulateGrad),
+        # which would keep a closed member's model alive and in the next rows' peak memory
+        self.loss = self.step().detach()
         _sync(device)
         seconds = time.perf_counter() - t0
         (self.times if timed else self.warm).append(seconds)

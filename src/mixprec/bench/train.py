@@ -22,6 +22,7 @@ import mixprec
 from mixprec._optional import require_matplotlib
 from mixprec.bench.data import Dataset
 from mixprec.bench.models import ResNet50, SmallCNN
+from mixprec.bench.variants import tf32
 from mixprec.dtypes import dtype_name
 
 __all__ = ["MODELS", "MODES", "figure", "plot", "summarize", "train"]
@@ -95,12 +96,14 @@ def _run(
 
         def step(x, y):
             opt.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
+            with tf32(False):  # true fp32: torch's default runs cuDNN convolutions in TF32
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                opt.step()
             return loss
 
-        region = null
+        def region():
+            return tf32(False)
     elif mode == "torch.amp":
         scaler = torch.amp.GradScaler(device, enabled=dtype == torch.float16)
 

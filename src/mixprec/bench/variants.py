@@ -17,7 +17,7 @@ import mixprec
 from mixprec.bench.workloads import Workload, WorkloadSize
 from mixprec.dtypes import dtype_name
 
-__all__ = ["VARIANTS", "Variant"]
+__all__ = ["VARIANTS", "Variant", "tf32"]
 
 Step = Callable[[], torch.Tensor]
 
@@ -67,11 +67,11 @@ class Variant:
         if self.name != "trainstep" and self.name not in VARIANT_LEVELS:
             model = wrap(model)  # fp32, tf32, torch.amp: nothing is cast, wrap at once
         if self.name in ("fp32", "tf32"):
-            ctx = _tf32 if self.name == "tf32" else contextlib.nullcontext
+            on = self.name == "tf32"
 
             def step() -> torch.Tensor:
                 optimizer.zero_grad(set_to_none=True)
-                with ctx():
+                with tf32(on):
                     loss = workload.loss(model(inputs), batch)
                     loss.backward()
                     optimizer.step()
@@ -124,9 +124,14 @@ def _noop() -> None:
 
 
 @contextlib.contextmanager
-def _tf32() -> Iterator[None]:
+def tf32(enabled: bool) -> Iterator[None]:
+    """TF32 tensor cores on or off for matmuls *and* cuDNN convolutions, restored on exit.
+
+    The fp32 baseline needs it off explicitly: torch leaves cuDNN's TF32 on by default (only
+    matmuls default to full fp32), so a plain "fp32" ResNet would run its convolutions in TF32.
+    """
     prev = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
     try:
         yield
     finally:
