@@ -133,7 +133,10 @@ def run(
     smoke: bool,
     backend: str = "inductor",
     only: list[str] | None = None,
+    partial: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
+    """Every workload's rows; `partial` gets the result so far after each workload (the GPU
+    suite's part writes it, so a run cut off by its time limit keeps the finished workloads)."""
     dtype = torch.bfloat16 if device == "cpu" else torch.float16
     rows = []
     for name, (make, policy) in _workloads(device, smoke).items():
@@ -175,6 +178,13 @@ def run(
                 "cast_bytes_after_pass": sum(r.bytes_after for r in reports) if reports else None,
                 "eager_casts": eager_casts,
             })  # fmt: skip
+        if partial is not None:
+            partial(_result(device, backend, rounds, steps, rows))
+    return _result(device, backend, rounds, steps, rows)
+
+
+def _result(device: str, backend: str, rounds: int, steps: int,
+            rows: list[dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
     return {
         "command": " ".join(sys.argv),
         "device": cpu_name() if device == "cpu" else torch.cuda.get_device_name(),
@@ -224,11 +234,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="write the result as JSON")
     args = parser.parse_args(argv)
     only = args.workloads.split(",") if args.workloads else None
-    result = run(args.device, args.rounds, args.steps, args.smoke, args.compile_backend, only)
+
+    def write(result: dict[str, Any]) -> None:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+
+    result = run(args.device, args.rounds, args.steps, args.smoke, args.compile_backend, only,
+                 partial=write)  # fmt: skip
     print(_table(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write(result)
     return 0
 
 

@@ -205,6 +205,7 @@ def test_failures_are_recorded_and_the_next_part_still_runs(tmp_path):
     parts = [
         _part("x-crash", 1, "import sys; print('boom before the crash'); sys.exit(3)"),
         _part("x-hang", 2, hang, timeout_s=3),
+        _part("x-partial", 2, write + "; import time; time.sleep(120)", timeout_s=3),
         _part("x-unreadable", 3, "print('no output file')"),
         _part("x-missing", 4, write, requires=("mixprec_no_such_module",)),
         _part("x-ok", 5, write),
@@ -223,7 +224,10 @@ def test_failures_are_recorded_and_the_next_part_still_runs(tmp_path):
     assert by["x-crash"]["status"] == "failed" and by["x-crash"]["reason"] == "exit status 3"
     assert "boom before the crash" in by["x-crash"]["error_tail"]
     assert by["x-hang"]["status"] == "timeout" and "timeout of 3 s" in by["x-hang"]["reason"]
-    assert "hanging" in by["x-hang"]["error_tail"]
+    assert "hanging" in by["x-hang"]["error_tail"] and by["x-hang"]["figures"] == {}
+    partial = by["x-partial"]  # killed too, but it had written its figures: they are kept
+    assert partial["status"] == "timeout" and partial["figures"] == {"value": 0.5}
+    assert "figures are from the output it wrote before" in partial["reason"]
     grandchild = int(pidfile.read_text())
     deadline = time.monotonic() + 10
     while _alive(grandchild) and time.monotonic() < deadline:
@@ -240,7 +244,7 @@ def test_failures_are_recorded_and_the_next_part_still_runs(tmp_path):
     assert ok["goals"][0]["verdict"] == "NOT JUDGED"  # a CPU run
     assert by["x-budget"]["status"] == "skipped" and "--only x-budget" in by["x-budget"]["reason"]
     for rec in records:  # goals of parts that did not produce figures say why
-        if rec["status"] != "ok":
+        if rec["status"] != "ok" and rec["part"] != "x-partial":
             assert rec["goals"][0]["verdict"] == "NOT MEASURED" and rec["goals"][0]["detail"]
 
 

@@ -239,6 +239,12 @@ def run_part(part: Part, ctx: Context, *, env: dict[str, str], timeout: float,
     figures: Figures | None = None
     if timed_out:
         reasons.append(f"killed after its timeout of {timeout:.0f} s")
+        try:  # what it wrote before (benchmarks that write as they go keep finished rows)
+            figures = part.extract(ctx, output)
+        except Exception:  # nothing readable yet: the timeout is the whole story
+            figures = None
+        else:
+            reasons.append("figures are from the output it wrote before")
     elif rc not in part.ok_returncodes:
         reasons.append(f"exit status {rc}")
     else:
