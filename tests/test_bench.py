@@ -284,17 +284,17 @@ def test_fp32_row_turns_tf32_off_for_convolutions_too(name, want):
     """torch leaves cuDNN's TF32 on by default: the fp32 baseline must say no explicitly."""
     from mixprec.bench.variants import VARIANTS
 
-    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    torch.backends.cudnn.allow_tf32 = True  # torch's default
-    try:
+    # torch's default (cuDNN TF32 on), and global flags disabled as torch's test utilities do:
+    # plain assignment to cuDNN flags raises then, and the row must still work
+    torch.backends.disable_global_flags()
+    with torch.backends.cudnn.flags(enabled=torch.backends.cudnn.enabled, allow_tf32=True):
         w = _spy_workload()
         step, _ = VARIANTS[name].build(w, w.small, "cpu", torch.bfloat16)
         _FlagSpy.seen.clear()
         step()
         assert _FlagSpy.seen == [want]
         assert torch.backends.cudnn.allow_tf32 is True  # restored after the step
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+        assert torch.backends.cuda.matmul.allow_tf32 is False
 
 
 def test_a_closed_row_keeps_nothing_of_its_model_alive():

@@ -129,13 +129,18 @@ def tf32(enabled: bool) -> Iterator[None]:
 
     The fp32 baseline needs it off explicitly: torch leaves cuDNN's TF32 on by default (only
     matmuls default to full fp32), so a plain "fp32" ResNet would run its convolutions in TF32.
+    cuDNN's flag goes through ``set_flags``, which leaves every other cuDNN setting alone and
+    works where ``torch.backends.disable_global_flags()`` refuses plain assignment.
     """
-    prev = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
+    prev_matmul = torch.backends.cuda.matmul.allow_tf32
+    prev_cudnn = torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.set_flags(_allow_tf32=enabled, _fp32_precision=None)
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = prev
+        torch.backends.cuda.matmul.allow_tf32 = prev_matmul
+        torch.backends.cudnn.set_flags(_allow_tf32=prev_cudnn, _fp32_precision=None)
 
 
 #: The variants that are mixprec opt levels (initialize, then DDP).
