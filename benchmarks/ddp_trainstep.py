@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import socket
@@ -170,6 +171,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
                     sorted({f for _, fs in all_records for f in fs}), args)  # fmt: skip
         dist.barrier()  # every rank leaves together: none tears its group down under another
     finally:
+        # DDP objects in reference cycles must go while the group exists: a Reducer freed at exit,
+        # after destroy_process_group, can abort the process (a joinable thread in teardown)
+        gc.collect()
         dist.destroy_process_group()
     if failed:
         raise SystemExit(1)

@@ -173,6 +173,7 @@ def _run(args: argparse.Namespace) -> None:
                 print(f"wrote {args.json}")
         dist.barrier()  # every rank leaves together: none tears its group down under another
     finally:
+        gc.collect()  # wrappers in reference cycles go while the group exists, not at exit
         dist.destroy_process_group()
 
 

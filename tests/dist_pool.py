@@ -11,6 +11,7 @@ Scenario functions must live in an importable module (tests/dist_scenarios.py).
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import queue
 import socket
@@ -53,6 +54,7 @@ def _serve(rank: int, world: int, port: int, tasks: Any, results: Any) -> None:
             except BaseException:
                 results.put((rank, False, traceback.format_exc()))
     finally:
+        gc.collect()  # DDP/FSDP objects in reference cycles go while the group exists
         dist.destroy_process_group()
 
 

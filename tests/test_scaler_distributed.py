@@ -3,6 +3,7 @@ both ranks skip that step, keep equal scales and end with identical parameters."
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 
@@ -57,6 +58,7 @@ def _worker(rank: int, world: int, port: int, results: dict, per_loss: bool) -> 
             scales.append([e["scale"] for e in scaler.stats()["losses"]])
         results[rank] = (scales, [p.detach().clone() for p in model.parameters()])
     finally:
+        gc.collect()  # DDP objects in reference cycles go while the group exists
         dist.destroy_process_group()
 
 

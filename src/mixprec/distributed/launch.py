@@ -12,6 +12,7 @@ nodes, a rendezvous server) works the same way: the commands only read the envir
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -65,6 +66,9 @@ class DistContext:
         if self.owns_group and is_initialized():
             if wait:
                 torch.distributed.barrier()
+            # DDP objects in reference cycles go while the group exists: a Reducer freed at
+            # interpreter exit, after the group, can abort the process
+            gc.collect()
             torch.distributed.destroy_process_group()
 
 
