@@ -240,3 +240,39 @@ def test_user_functions_keep_their_category_in_a_compiled_region(backend, state_
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
     assert seen == [False, False]  # the body ran with autocast off, eagerly and in the trace
+
+
+def test_a_cuda_bf16_region_in_compiled_code_asks_for_bf16_support_at_trace_time_only(
+    monkeypatch, state_tracing
+):
+    """torch 2.11's dynamo cannot trace torch.cuda.is_bf16_supported (a graph break; fullgraph
+    raises): the region's check is a constant of the process, asked while tracing, not traced."""
+    asked = []
+
+    def untraceable() -> bool:
+        asked.append(torch.compiler.is_compiling())
+        torch._dynamo.graph_break()  # what torch 2.11 does with the real one, made explicit
+        return True
+
+    if not torch.cuda.is_available():
+        if torch.version.cuda is not None:
+            pytest.skip("CUDA faked on a CUDA build without a driver fails inside dynamo")
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        # dynamo saves and restores the CUDA RNG state around a trace when CUDA is available
+        monkeypatch.setattr(torch.cuda, "get_rng_state", lambda *a, **k: None)
+        monkeypatch.setattr(torch.cuda, "set_rng_state", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", untraceable)
+    x = torch.randn(4, 4)
+
+    def step(x):
+        with mixprec.autocast("cuda", dtype="bf16"):
+            return x * 2  # CPU tensors: the CUDA region is what is checked, not the math
+
+    counter = CompileCounter()
+    out = torch.compile(step, backend=counter, fullgraph=True)(x)
+    assert counter.frame_count == 1 and torch.equal(out, x * 2)
+    assert asked  # it was asked (once per trace, eagerly)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "an old GPU")
+    with pytest.raises(mixprec.AutocastError, match="no bf16 support"):
+        step(x)

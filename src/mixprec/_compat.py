@@ -14,6 +14,7 @@ import torch
 __all__ = [
     "autocast_state_traceable",
     "capturing",
+    "cuda_lacks_bf16",
     "dynamo_tracing",
     "local_tensor",
     "mark_constant_result",
@@ -61,6 +62,13 @@ def autocast_state_traceable() -> bool:
         rule = trace_rules.manual_torch_name_rule_map.get("torch._C.set_autocast_enabled")
         _TRACEABLE.append(rule is None or "Skip" not in getattr(rule, "__name__", ""))
     return _TRACEABLE[0]
+
+
+@mark_constant_result  # dynamo (2.11) cannot trace torch.cuda.is_bf16_supported: a graph break
+def cuda_lacks_bf16() -> bool:
+    """Whether this process has a CUDA device without bf16 support (pre-Ampere). Constant for
+    the process, so a region opened inside compiled code asks at trace time only."""
+    return torch.cuda.is_available() and not torch.cuda.is_bf16_supported()
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import torch
 
+from mixprec._compat import cuda_lacks_bf16
 from mixprec.errors import AutocastError, PolicyError, format_options, unknown_value
 
 __all__ = [
@@ -159,12 +160,7 @@ def resolve_dtype(
         choice = DtypeChoice(parse_dtype(policy_dtype, low_only=True), "set by the policy")
     else:
         choice = default_dtype(device_type)
-    if (
-        device_type == "cuda"
-        and choice.dtype is torch.bfloat16
-        and torch.cuda.is_available()
-        and not torch.cuda.is_bf16_supported()
-    ):
+    if device_type == "cuda" and choice.dtype is torch.bfloat16 and cuda_lacks_bf16():
         name = torch.cuda.get_device_name()
         raise AutocastError(
             f"bf16 was requested on CUDA, but {name} has no bf16 support (it needs compute "
