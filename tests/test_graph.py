@@ -219,6 +219,39 @@ def test_inductor_within_tolerance_and_cuda_rules():
         torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-2)
 
 
+def test_compile_mode_and_options_reach_the_inner_backend(monkeypatch):
+    """torch.compile hands a callable backend its mode and options: the cast pass takes them
+    and configures the compiler behind it (inductor's cudagraph trees, max-autotune, ...)."""
+    pytest.importorskip("torch._inductor")
+    seen = []
+
+    def spy(gm, example_inputs, **kwargs):
+        seen.append(kwargs)
+        return gm.forward
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    x = torch.randn(4, 8)
+    f = mixprec.compile(lambda x: model(x).sum(), backend=spy, mode="max-autotune")
+    with mixprec.autocast("cpu"):
+        assert _same(f(x), model(x).sum())
+    assert seen == [{"mode": "max-autotune"}]
+    torch._dynamo.reset()
+    made = []
+
+    class Recording(torch._TorchCompileInductorWrapper):
+        def __init__(self, *args):
+            made.append(args)
+            super().__init__(*args)
+
+    monkeypatch.setattr(torch, "_TorchCompileInductorWrapper", Recording)
+    opts = {"epilogue_fusion": False}
+    f = mixprec.compile(lambda x: model(x).sum(), dtype=BF16, options=opts)
+    with mixprec.autocast("cpu", dtype=BF16):
+        want = model(x).sum()
+    torch.testing.assert_close(f(x), want, rtol=2e-2, atol=2e-2)
+    assert made == [(None, opts, None)]
+
+
 # -------------------------------------------------- policy edits, user functions, regions
 
 

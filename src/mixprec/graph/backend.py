@@ -106,13 +106,17 @@ class AmpBackend:
             device = parse_device_type(device)
         return device, resolve_dtype(device, self.dtype, self.policy.compute).dtype
 
-    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+    def __call__(
+        self,
+        gm: fx.GraphModule,
+        example_inputs: list[Any],
+        mode: str | None = None,
+        options: dict[str, Any] | None = None,
+    ) -> Callable[..., Any]:
+        """Compile one captured graph. `mode` and `options` are ``torch.compile``'s (it hands
+        them to a callable backend): they go to the inner backend, inductor's included."""
         device, dtype = self.region(example_inputs)
-        inner = self.backend
-        if isinstance(inner, str) and inner != "eager":
-            from torch._dynamo import lookup_backend
-
-            inner = lookup_backend(inner)
+        inner = _inner_backend(self.backend, mode, options)
         unkept = _unkept_operators(gm)
         if unkept:
             return self._as_region(gm, example_inputs, inner, unkept)
@@ -154,6 +158,22 @@ class AmpBackend:
         if not self.reports:
             return "no graph compiled yet: call the compiled function once"
         return "\n".join(str(r) for r in self.reports)
+
+
+def _inner_backend(backend: Any, mode: str | None, options: dict[str, Any] | None) -> Any:
+    """The compiler behind the cast pass, with ``torch.compile``'s `mode` / `options` (as
+    ``torch.compile`` itself would configure it: inductor through its own wrapper, any other
+    backend given them as keywords)."""
+    if backend == "eager":
+        return backend
+    if backend == "inductor" and (mode or options):
+        return torch._TorchCompileInductorWrapper(mode, options, None)
+    if isinstance(backend, str):
+        from torch._dynamo import lookup_backend
+
+        backend = lookup_backend(backend)
+    kwargs = {k: v for k, v in (("mode", mode), ("options", options)) if v}
+    return functools.partial(backend, **kwargs) if kwargs else backend
 
 
 #: Higher-order operators the re-trace may run inlined without changing what they compute.
