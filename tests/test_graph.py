@@ -252,6 +252,21 @@ def test_compile_mode_and_options_reach_the_inner_backend(monkeypatch):
     assert made == [(None, opts, None)]
 
 
+def test_the_region_of_a_step_taking_token_ids_is_their_device():
+    """A language model's step takes int64 ids only: the region around each call (and the
+    backend's) is on their device, not on the CPU for want of a floating input."""
+    from tests.conftest import fake_cuda
+
+    amp = mixprec.AmpBackend()
+    with fake_cuda():
+        ids = torch.zeros(2, 8, dtype=torch.long, device="cuda")
+        weight = torch.zeros(8, 8, device="cuda")
+        assert amp.region([ids]) == ("cuda", FP16)
+        assert amp.region([ids, weight]) == ("cuda", FP16)
+    assert amp.region([torch.zeros(3, dtype=torch.long)]) == ("cpu", BF16)
+    assert amp.region([]) == ("cpu", BF16)
+
+
 # -------------------------------------------------- policy edits, user functions, regions
 
 

@@ -98,12 +98,11 @@ class AmpBackend:
         """The (device type, low dtype) a graph with these inputs runs in."""
         device = self.device_type
         if device is None:
-            device = next(
-                (t.device.type for t in example_inputs
-                 if isinstance(t, torch.Tensor) and t.is_floating_point()),
-                "cpu",
-            )  # fmt: skip
-            device = parse_device_type(device)
+            # The first floating tensor's device; else any tensor's (a language model's step
+            # takes token ids only, on the GPU); "cpu" only when no tensor comes in.
+            tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
+            floating = [t for t in tensors if t.is_floating_point()]
+            device = parse_device_type((floating or tensors)[0].device.type if tensors else "cpu")
         return device, resolve_dtype(device, self.dtype, self.policy.compute).dtype
 
     def __call__(
