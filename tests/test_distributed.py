@@ -433,3 +433,26 @@ def test_a_checkpoint_that_does_not_fit_changes_nothing(tmp_path):
         f"torch.Size([16, 8]) and current: torch.Size([3, 8]) for mixprec.model.0.weight"
     )
     assert not other_opt.optimizer.state
+
+
+def test_shard_and_initialize_resolve_for_the_device_the_shards_live_on(monkeypatch):
+    """FSDP2 without a mesh shards onto the process's accelerator, moving a model built on the
+    CPU: the level is resolved for that device, not the one the model was built on; and
+    initialize reads it from the shard record (offloaded shards sit on the CPU)."""
+    import importlib
+    from types import SimpleNamespace
+
+    from mixprec.levels.presets import resolve
+
+    # the modules (their package attributes are the functions of the same names)
+    fsdp = importlib.import_module("mixprec.distributed.fsdp")
+    init_module = importlib.import_module("mixprec.levels.initialize")
+
+    monkeypatch.setattr(torch._C, "_get_accelerator", lambda: torch.device("cuda"))
+    assert fsdp._device_type(None) == "cuda"
+    assert fsdp._device_type(SimpleNamespace(device_type="cpu")) == "cpu"
+    model = torch.nn.Linear(4, 4)  # its parameters on the CPU, as offloaded shards are
+    assert init_module._device_type([model]) == "cpu"
+    record = resolve("O2", device_type="cuda")
+    monkeypatch.setattr(fsdp, "sharded_options", lambda m: record if m is model else None)
+    assert init_module._device_type([model]) == "cuda"

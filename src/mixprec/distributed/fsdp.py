@@ -72,13 +72,13 @@ def _fsdp_api() -> tuple[Any, Any, set[str]]:
     return torch_fully_shard, MixedPrecisionPolicy, accepted - {"mp_policy"}
 
 
-def _device_type(module: nn.Module, mesh: Any) -> str:
+def _device_type(mesh: Any) -> str:
+    """Where the shards will live: the mesh's device, or without one the device of FSDP2's
+    default mesh, the process's accelerator (FSDP2 moves a CPU-built model there, so the
+    parameters' device before sharding says nothing)."""
     if mesh is not None:
         return str(mesh.device_type)
-    for p in module.parameters():
-        if p.device.type != "meta":
-            return p.device.type
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return torch._C._get_accelerator().type  # what FSDP2's _init_default_mesh uses
 
 
 def _unit_test(units: Units) -> Callable[[str, nn.Module], bool]:
@@ -165,7 +165,7 @@ def fully_shard(
         )
     fsdp_kwargs = {k: v for k, v in kwargs.items() if k in fsdp_keys}
     overrides = {k: v for k, v in kwargs.items() if k in MODEL_OPTIONS}
-    options = resolve(opt_level, device_type=_device_type(module, fsdp_kwargs.get("mesh")),
+    options = resolve(opt_level, device_type=_device_type(fsdp_kwargs.get("mesh")),
                       dtype=dtype, **overrides)  # fmt: skip
     is_unit = _unit_test(units)
 

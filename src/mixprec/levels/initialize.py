@@ -34,7 +34,12 @@ OptimizerLike = torch.optim.Optimizer | Callable[[list[torch.Tensor]], torch.opt
 
 
 def _device_type(models: Sequence[nn.Module]) -> str:
+    from mixprec.distributed.fsdp import sharded_options
+
     for model in models:
+        sharded = sharded_options(model)
+        if sharded is not None:  # the device it was sharded for (its shards may sit offloaded)
+            return sharded.device_type
         for p in model.parameters():
             return p.device.type
     return "cpu"
