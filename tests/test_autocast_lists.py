@@ -268,3 +268,27 @@ def test_cuda_lists_on_gpu(op, args, kwargs, module, want, amp):
     # so these run deterministic, as torch's own CUDA autocast tests do.
     with torch.backends.cudnn.flags(enabled=True, deterministic=True):
         _check(op, _half_to(args, amp), expected, amp, module, kwargs, device="cuda")
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("cell", ["LSTM", "GRU"])
+def test_cuda_rnn_matches_torch_and_keeps_cudnns_flat_weights(cell):
+    """torch.autocast casts an RNN's weights inside cuDNN's kernel, as one flat buffer. mixprec
+    (lstm and gru are composites it casts from Python) must give the same result without
+    breaking that layout: cuDNN would copy the weights into one buffer on every call, warning
+    'RNN module weights are not part of single contiguous chunk of memory'."""
+    import warnings
+
+    torch.manual_seed(0)
+    rnn = getattr(torch.nn, cell)(32, 64, num_layers=2).cuda()
+    x = torch.randn(5, 3, 32, device="cuda")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with mixprec.autocast("cuda"):
+            out = rnn(x)[0]
+    with torch.autocast("cuda"):
+        ref = rnn(x)[0]
+    assert out.dtype == ref.dtype == torch.float16
+    torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3)
+    assert not [w for w in caught if "contiguous chunk" in str(w.message)], caught
