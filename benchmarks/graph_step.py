@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import inspect
 import json
 import statistics
 import sys
@@ -48,6 +47,7 @@ import torch
 import mixprec
 from mixprec.bench.report import metadata
 from mixprec.bench.workloads import WORKLOADS, Workload, WorkloadSize
+from mixprec.levels.optimizer import constructor_defaults
 
 VARIANTS = (
     "fp32", "torch.amp fp16", "torch.amp bf16", "torch.amp+compile bf16", "manual fp16",
@@ -78,15 +78,12 @@ def _dtype(name: str) -> torch.dtype | None:
 def _fused_optimizer(workload: Workload, model: torch.nn.Module) -> torch.optim.Optimizer:
     """The workload's optimizer with fused kernels (what the manual capture needs)."""
     base = workload.optimizer(model, "cpu")
-    group = {k: v for k, v in base.param_groups[0].items() if k not in ("params", "foreach")}
-    group["fused"] = True
-    if "capturable" in group:
-        group["capturable"] = True
-    # Keep what the constructor takes: `defaults` can hold more (torch 2.11's AdamW records
-    # decoupled_weight_decay there, which its __init__ rejects).
-    accepted = inspect.signature(type(base).__init__).parameters
-    return type(base)(model.parameters(), **{k: v for k, v in group.items()
-                                             if k in base.defaults and k in accepted})  # fmt: skip
+    kwargs = constructor_defaults(base)
+    kwargs.pop("foreach", None)
+    kwargs["fused"] = True
+    if "capturable" in kwargs:
+        kwargs["capturable"] = True
+    return type(base)(model.parameters(), **kwargs)
 
 
 def _manual_capture(workload, model, batch, device, dtype) -> Callable[[], torch.Tensor]:

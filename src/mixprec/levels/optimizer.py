@@ -34,7 +34,7 @@ from mixprec.levels.presets import AmpOptions
 from mixprec.scaling import checkpoint
 from mixprec.scaling.scaler import GradScaler, ScalerStateError
 
-__all__ = ["AmpOptimizer", "LossScaling", "build_inner"]
+__all__ = ["AmpOptimizer", "LossScaling", "build_inner", "constructor_defaults"]
 
 FORMAT = "mixprec.AmpOptimizer/1"
 
@@ -88,6 +88,15 @@ class LossScaling:
         self.stepped.clear()
 
 
+def constructor_defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """`optimizer`'s defaults that its class's constructor takes: some are derived (torch 2.11's
+    AdamW records decoupled_weight_decay, which its __init__ rejects), so a rebuild from
+    ``defaults`` must leave them out."""
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    return {k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted}
+
+
 def build_inner(
     optimizer: torch.optim.Optimizer, masters: dict[int, torch.Tensor]
 ) -> torch.optim.Optimizer:
@@ -103,11 +112,7 @@ def build_inner(
         new["params"] = [masters.get(id(p), p) for p in group["params"]]
         groups.append(new)
     cls = type(optimizer)
-    # Only the defaults the constructor takes: some are derived (AdamW records
-    # decoupled_weight_decay, which its __init__ fixes); the groups carry every value anyway.
-    accepted = inspect.signature(cls.__init__).parameters
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
-    defaults = {k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted}
+    defaults = constructor_defaults(optimizer)
     try:
         inner = cls(groups, **defaults)
     except TypeError as err:
