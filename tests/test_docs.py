@@ -1,0 +1,123 @@
+"""Every ```python block of README.md and docs/*.md runs as written.
+
+How the blocks run (for contributors: CONTRIBUTING.md says the same):
+
+- Each file's blocks run in order in one namespace, like a notebook, on the CPU, in a temporary
+  working directory (files a block writes go there). Nothing is imported for them: a file's
+  first block imports what it uses, or its setup does.
+- A block written as an interactive session (lines starting with ``>>>``) runs as a doctest:
+  its printed output must match (``...`` matches anything).
+- HTML comments written right before a block (blank lines only between) tell the test more.
+  They do not show on a rendered page:
+
+  ``<!-- docs-test: setup`` + code lines + ``-->``
+      hidden code run just before the block, in the same namespace: the block's inputs (a
+      model, a loader, a loss function) defined in a few lines, so that the block itself shows
+      only what it teaches. Keep it small and honest: it may not change what the block does.
+  ``<!-- docs-test: cuda -->``
+      needs a GPU: skipped without CUDA, run in the file's namespace with it.
+  ``<!-- docs-test: distributed -->``
+      needs several processes: the file's distributed blocks (with their setups) run in order,
+      in one namespace per process, under ``torchrun --standalone --nproc-per-node 2`` on the
+      CPU (gloo). They do not see the file's other blocks.
+  ``<!-- docs-test: skip REASON -->``
+      cannot run here at all (code of another library shown for comparison, e.g. NVIDIA Apex,
+      which no index serves); the reason is required and shown in the skip.
+
+A directive that is misspelt or stands before no python block fails the test, so a block never
+silently stops being run.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.docs_blocks import ROOT, Block, doc_files, parse, run_block
+
+FILES = doc_files()
+_IDS = [p.relative_to(ROOT).as_posix() for p in FILES]
+
+
+def _reset_process_state() -> None:
+    """What a page's blocks may leave behind in this process, put back for the next test.
+
+    Only for modules a block imported: importing one here would cost seconds per page.
+    """
+    if "torch._dynamo" in sys.modules:
+        torch._dynamo.reset()
+    if "accelerate.state" in sys.modules:
+        from accelerate.state import AcceleratorState, GradientState, PartialState
+
+        # Accelerate keeps one state per process (see docs/integrations.md)
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        PartialState._reset_state()
+
+
+@pytest.mark.parametrize("path", FILES, ids=_IDS)
+def test_blocks_run_in_order(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blocks = parse(path)
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {"__name__": "__docs__"}
+    skipped: list[str] = []
+    try:
+        for block in blocks:
+            if block.mode in ("distributed", "skip") or (
+                block.mode == "cuda" and not torch.cuda.is_available()
+            ):
+                skipped.append(f"{block.where}: {block.mode} {block.reason}".rstrip())
+                continue
+            try:
+                run_block(block, namespace)
+            except BaseException as exc:
+                raise AssertionError(f"{block.where} failed: {type(exc).__name__}: {exc}") from exc
+    finally:
+        namespace.clear()
+        _reset_process_state()
+    if not any(b.mode in ("cpu", "cuda") for b in blocks) and skipped:
+        pytest.skip("; ".join(skipped))
+
+
+def _distributed_files() -> list[Path]:
+    return [p for p in FILES if any(b.mode == "distributed" for b in parse(p))]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("path", _distributed_files(), ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_distributed_blocks_under_torchrun(path: Path, tmp_path: Path) -> None:
+    # on the CPU (gloo) even where a GPU is present: two processes, one device at most
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(ROOT / "tests" / "docs_blocks.py"),
+        str(path),
+    ]
+    start = time.monotonic()
+    proc = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, (
+        f"{path.name}'s distributed blocks failed under torchrun after "
+        f"{time.monotonic() - start:.0f} s:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    )
+
+
+def test_every_page_is_read() -> None:
+    """The parser sees every python fence: count them independently, by the fence lines."""
+    for path in FILES:
+        text = path.read_text(encoding="utf-8").splitlines()
+        fences = sum(1 for line in text if line.strip() == "```python")
+        blocks: list[Block] = parse(path)
+        assert len(blocks) == fences, path
