@@ -181,3 +181,50 @@ def test_train_progress_says_which_mode_runs(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "fp32 (fp32), seed 0: epoch 1/1" in out.stderr
     assert "O2 (bf16), seed 0: epoch 1/1" in out.stderr
+
+
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["bench", "--mode", "O5"], ["--mode is not an option", "'O5' is not a valid variant"]),
+        (["bench", "--mode=O2"], ["Use --variants O2."]),
+        (["bench", "--opt-level", "O1", "mlp"], ["Use --variants O1."]),
+        (["train", "--opt-level", "O1,O9"], ["'O9' is not a valid mode", "--modes"]),
+        (["bench", "--jsn", "r.json"], ["unknown option --jsn. Did you mean --json?"]),
+        (["bench", "mlp", "gpt2"], ["unexpected argument 'gpt2'"]),
+    ],
+)
+def test_unknown_options_point_to_the_option_meant(args, expected, capsys):
+    from mixprec.bench.train import MODES
+    from mixprec.bench.variants import VARIANTS
+    from mixprec.cli import main
+
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mixprec {args[0]}: error: "), err
+    assert "usage: mixprec [-h]" not in err  # not argparse's top-level usage
+    for text in expected:
+        assert text in err, err
+    if "not a valid" in err:  # the valid names are the ones the option accepts
+        valid, flag = (VARIANTS, "--variants") if args[0] == "bench" else (MODES, "--modes")
+        assert f"{flag} (comma-separated)" in err and ", ".join(valid) in err, err
+
+
+def test_train_names_every_extra_it_needs(tmp_path, monkeypatch, capsys):
+    from mixprec.cli import main
+
+    # as if installed without the data and tensorboard extras (matplotlib present)
+    monkeypatch.setitem(sys.modules, "sklearn", None)
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    out = tmp_path / "out"
+    args = ["train", "--tensorboard", str(tmp_path / "tb"), "--out", str(out), "--no-progress"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "mixprec train --tensorboard needs the extras plots, data, tensorboard" in err, err
+    assert "not installed: scikit-learn, tensorboard" in err, err
+    assert "pip install -e '.[plots,data,tensorboard]' in the mixprec checkout" in err, err
+    assert not (out / "train.json").exists()
+    # without --tensorboard, on synthetic data, nothing is missing: the check passes
+    from mixprec.cli import _parser, _require_train_extras
+
+    _require_train_extras(_parser().parse_args(["train", "--data", "synthetic"]))

@@ -150,7 +150,8 @@ def _parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="also write TensorBoard scalars to DIR/<mode>-seed<k>: train/test loss and accuracy "
         "per epoch and, for mixprec modes with loss scaling, the loss scale and skipped steps of "
-        "every step (read off the device every 50 steps; needs mixprec[tensorboard])",
+        "every step (read off the device every 50 steps; needs the tensorboard extra besides "
+        "plots and data: pip install -e '.[plots,data,tensorboard]' in the checkout)",
     )
     train.add_argument("--nproc-per-node", type=int, metavar="N",
                        help="train data-parallel in N processes (DDP, torchrun underneath; one "
@@ -259,6 +260,62 @@ def _choices(value: str, valid: Sequence[str], flag: str) -> list[str]:
     return names
 
 
+# What people type to pick the precisions that run, and the option that does it in each command.
+_SELECTORS = {
+    "bench": "--variants",
+    "train": "--modes",
+}
+_SELECTOR_GUESSES = (
+    "--mode", "--modes", "--variant", "--variants", "--level", "--levels", "--opt-level",
+    "--opt-levels", "--opt_level", "--precision", "--amp",
+)  # fmt: skip
+
+
+def _unknown_arguments(command: str, unknown: Sequence[str], argv: Sequence[str]) -> str:
+    """The error for arguments `command` does not take, pointing to the option meant.
+
+    `argv` is the whole command line: the value after an unknown option may have been taken by
+    argparse as a positional argument (``bench --mode O5`` reads O5 as the benchmark).
+    """
+    import difflib
+
+    from mixprec.bench.train import MODES
+    from mixprec.bench.variants import VARIANTS
+
+    first = unknown[0]
+    flag, _, value = first.partition("=")
+    at = list(argv).index(first) if first in argv else -1
+    if not value and 0 <= at < len(argv) - 1 and not argv[at + 1].startswith("-"):
+        value = argv[at + 1]
+    selector = _SELECTORS[command]
+    valid = list(VARIANTS) if command == "bench" else list(MODES)
+    if flag in _SELECTOR_GUESSES and flag != selector:
+        names = [v.strip() for v in value.split(",") if v.strip()]
+        bad = [n for n in names if n not in valid]
+        what = "variant" if command == "bench" else "mode"
+        if bad:
+            verdict = f"{', '.join(map(repr, bad))} is not a valid {what}. "
+        elif names:
+            verdict = f"Use {selector} {','.join(names)}. "
+        else:
+            verdict = ""
+        return (
+            f"{flag} is not an option of mixprec {command}: the precisions to run are chosen "
+            f"with {selector} (comma-separated). {verdict}Valid {what}s: {', '.join(valid)} "
+            f"(e.g. {selector} fp32,O1,O2). `mixprec {command} --help` describes each."
+        )
+    if not flag.startswith("-"):
+        return (
+            f"unexpected argument {first!r}. `mixprec {command} --help` lists the arguments "
+            f"and options."
+        )
+    commands = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    options = list(commands.choices[command]._option_string_actions)
+    close = difflib.get_close_matches(flag, options, n=2)
+    hint = f" Did you mean {' or '.join(close)}?" if close else ""
+    return f"unknown option {flag}.{hint} `mixprec {command} --help` lists every option."
+
+
 class _Progress:
     """A progress bar that says what runs now (tqdm if installed, one line per item otherwise).
 
@@ -276,7 +333,10 @@ class _Progress:
             return
         tqdm = tqdm_or_none()
         if tqdm is None:
-            print(f"({name}: pip install 'mixprec[plots]' for a progress bar)", file=sys.stderr)
+            from mixprec._optional import install_hint
+
+            hint = install_hint(["plots"], ["tqdm"])
+            print(f"({name}: {hint} for a progress bar)", file=sys.stderr)
             return
         self.bar = tqdm(total=total, desc=name, file=sys.stderr, leave=False,
                         bar_format="{desc}: {n_fmt}/{total_fmt} [{elapsed}]{postfix}")  # fmt: skip
@@ -424,6 +484,19 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _require_train_extras(args: argparse.Namespace) -> None:
+    """Every optional package this `mixprec train` command needs, checked at once, named all."""
+    from mixprec._optional import require_extras
+
+    needs = [("matplotlib", "matplotlib", "plots")]  # train.png is always written
+    if args.data == "digits":
+        needs.append(("sklearn", "scikit-learn", "data"))
+    if args.tensorboard:
+        needs.append(("tensorboard", "tensorboard", "tensorboard"))
+    feature = "mixprec train" + (" --tensorboard" if args.tensorboard else "")
+    require_extras(feature, needs)
+
+
 def _train(args: argparse.Namespace) -> int:
     import json
 
@@ -457,7 +530,7 @@ def _train(args: argparse.Namespace) -> int:
     png, out_json = os.path.join(args.out, "train.png"), os.path.join(args.out, "train.json")
     for path in (png, out_json):
         report.check_writable(path, "--out")
-    report.require_matplotlib()
+    _require_train_extras(args)
     if args.tensorboard:
         try:
             os.makedirs(args.tensorboard, exist_ok=True)
@@ -587,8 +660,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mixprec.errors import MixprecError
 
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # for --nproc-per-node launches
+    if unknown:
+        if args.command not in ("bench", "train"):
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        message = _unknown_arguments(args.command, unknown, args.argv)
+        print(f"mixprec {args.command}: error: {message}", file=sys.stderr)
+        return 2
     if args.version:
         print(_versions())
         return 0

@@ -58,9 +58,11 @@ def _digits() -> Dataset:
     try:
         from sklearn.datasets import load_digits
     except ImportError as err:
+        from mixprec._optional import install_hint
+
         raise DataError(
-            "the default data set (digits) ships with scikit-learn: pip install 'mixprec[data]' "
-            "(or pip install scikit-learn), or use --data synthetic."
+            "the default data set (digits) ships with scikit-learn: "
+            f"{install_hint(['data'], ['scikit-learn'])}, or use --data synthetic."
         ) from err
     digits = load_digits()
     x = torch.tensor(digits.data, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0

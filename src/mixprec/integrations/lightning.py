@@ -24,7 +24,7 @@ What each hook does is `mixprec.integrations.engine`'s table; differences from L
   state dict (inner optimizer, masters, scaler) is what Lightning checkpoints; the plugin's own
   state (the scaler) is saved under its class name, as Lightning does for its plugins.
 
-Install with ``pip install 'mixprec[lightning]'``.
+Install with ``pip install -e '.[lightning]'`` (in the checkout).
 """
 
 from __future__ import annotations

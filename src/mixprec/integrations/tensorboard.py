@@ -5,8 +5,8 @@
 Each row of a batch becomes ``add_scalar(name, value, step)`` at its own step, so the curve has
 every step even though the values left the device once per batch; each diagnosed skipped step
 becomes ``add_text`` under the batch's text tag. The writer is torch's
-``torch.utils.tensorboard.SummaryWriter`` (needs ``pip install 'mixprec[tensorboard]'``); it is
-flushed after every batch.
+``torch.utils.tensorboard.SummaryWriter`` (needs the ``tensorboard`` extra: ``pip install -e
+'.[tensorboard]'`` in the checkout); it is flushed after every batch.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ How, through the Trainer's own extension points and nothing else:
 
 TrainingArguments' ``fp16``/``bf16`` must stay False (mixprec does the precision; the Trainer
 would otherwise run torch.autocast and torch's GradScaler too); DeepSpeed and FSDP are refused.
-Install with ``pip install 'mixprec[hf]'``.
+Install with ``pip install -e '.[hf]'`` (in the checkout).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class AmpMetricsCallback(transformers.TrainerCallback):
     Args:
         every: optimizer steps per device read (1..1024).
         names: ``'megatron'`` or ``'deepspeed'`` (`mixprec.diagnostics.metrics.NAMES`).
-        tensorboard_dir: also write every step's values there (``mixprec[tensorboard]``).
+        tensorboard_dir: also write every step's values there (the ``tensorboard`` extra).
         watch: a `mixprec.watch_nonfinite` attached to the scaler, to name where skipped
             steps' infs came from.
 
