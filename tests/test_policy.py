@@ -236,6 +236,29 @@ def test_category_aliases():
     assert OpCategory.parse("float") is OpCategory.FP32
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: Policy.from_string("compute=fp8"),
+        lambda: Policy(compute="float8_e4m3fn"),
+        lambda: mixprec.autocast("cpu", dtype=torch.float8_e5m2),
+    ],
+    ids=["string", "name", "torch.dtype"],
+)
+def test_fp8_as_compute_dtype_points_to_the_fp8_rule(make):
+    from mixprec.fp8.recipe import RECIPES
+
+    with pytest.raises(mixprec.PolicyError, match="is not a compute dtype: FP8 is chosen per") as e:
+        make()
+    message = str(e.value)
+    assert "unknown dtype" not in message
+    assert "'compute=bf16,fp8=auto'" in message and "fp8='tensorwise'" in message
+    for recipe in RECIPES:  # the recipes named are the ones that exist
+        assert repr(recipe) in message
+    # and the rule it gives is one the policy takes
+    assert str(Policy.from_string("compute=bf16,fp8=auto")) == "compute=bf16,fp8=auto"
+
+
 def test_error_unknown_table():
     with pytest.raises(mixprec.PolicyError, match="unknown op table 'tpu'.*'cuda'"):
         Policy(table="tpu")

@@ -11,7 +11,13 @@ from typing import NamedTuple
 import torch
 
 from mixprec._compat import cuda_lacks_bf16
-from mixprec.errors import AutocastError, PolicyError, format_options, unknown_value
+from mixprec.errors import (
+    AutocastError,
+    DeviceTypeError,
+    PolicyError,
+    format_options,
+    unknown_value,
+)
 
 __all__ = [
     "DEVICE_TYPES",
@@ -82,6 +88,23 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+_FP8_WORDS = ("fp8", "float8", "e4m3", "e5m2")
+# mixprec.fp8.recipe.RECIPES (a test checks they agree); the core does not import fp8/
+_FP8_RECIPES = ("tensorwise", "delayed", "rowwise")
+
+
+def _fp8_is_not_a_dtype(name: str) -> str:
+    """Where FP8 goes instead of a compute dtype: a per-layer rule and a recipe."""
+    return (
+        f"{name!r} is not a compute dtype: FP8 is chosen per linear layer, not per op, by FP8 "
+        f"rules in the policy, with scales kept per layer. Keep a 16-bit compute dtype and add "
+        f"the rule: Policy(compute='bf16').fp8('auto') (string form 'compute=bf16,fp8=auto'), "
+        f"and pick a recipe where the layers are converted: mixprec.initialize(model, "
+        f"optimizer, 'O2', dtype='bf16', fp8='tensorwise') or mixprec.to_fp8(model, "
+        f"'tensorwise'). Recipes: {format_options(_FP8_RECIPES)}. See docs/fp8.md."
+    )
+
+
 def parse_dtype(value: str | torch.dtype, *, low_only: bool = False) -> torch.dtype:
     """Turn ``'bf16'``, ``'float16'``, ``torch.half`` ... into a `torch.dtype`.
 
@@ -94,9 +117,13 @@ def parse_dtype(value: str | torch.dtype, *, low_only: bool = False) -> torch.dt
     """
     if isinstance(value, torch.dtype):
         dtype = value
+        if low_only and "float8" in str(dtype):
+            raise PolicyError(_fp8_is_not_a_dtype(str(dtype)))
     elif isinstance(value, str):
         key = value.strip().lower().removeprefix("torch.")
         if key not in _DTYPE_NAMES:
+            if any(word in key for word in _FP8_WORDS):
+                raise PolicyError(_fp8_is_not_a_dtype(value))
             raise PolicyError(unknown_value("dtype", value, _DTYPE_NAMES))
         dtype = _DTYPE_NAMES[key]
     else:
@@ -116,7 +143,15 @@ def parse_dtype(value: str | torch.dtype, *, low_only: bool = False) -> torch.dt
 
 
 def parse_device_type(device_type: str | torch.device) -> str:
-    """Normalise ``'cuda:0'`` / ``torch.device('cuda')`` to ``'cuda'``; reject unknown types."""
+    """Normalise ``'cuda:0'`` / ``torch.device('cuda')`` to ``'cuda'``; reject unknown types.
+
+    A ``torch.device`` is accepted here although ``torch.autocast`` takes only strings: a region
+    covers every device of its type, so the device's index is dropped.
+
+    Raises:
+        DeviceTypeError: an unknown device type (a PolicyError, and a RuntimeError as torch's).
+        PolicyError: neither a string nor a ``torch.device`` (a ValueError, as torch's).
+    """
     if isinstance(device_type, torch.device):
         device_type = device_type.type
     if not isinstance(device_type, str):
@@ -126,7 +161,7 @@ def parse_device_type(device_type: str | torch.device) -> str:
         )
     name = device_type.split(":", 1)[0].strip().lower()
     if name not in _DEVICE_DEFAULTS:
-        raise PolicyError(
+        raise DeviceTypeError(
             unknown_value(
                 "device type",
                 device_type,
