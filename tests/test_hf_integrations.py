@@ -148,6 +148,25 @@ def test_accelerate_refuses_its_own_mixed_precision():
         AmpAccelerator(accelerate.Accelerator(cpu=True, mixed_precision="bf16"))
 
 
+def test_accelerate_precision_set_earlier_in_the_process_is_explained(monkeypatch):
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    accelerate.Accelerator(cpu=True, mixed_precision="bf16")  # an earlier one, same process
+    later = accelerate.Accelerator(cpu=True)  # given nothing
+    assert later.mixed_precision == "bf16"  # Accelerate's one state per process: inherited
+    with pytest.raises(IntegrationError) as given:
+        AmpAccelerator(later)
+    message = str(given.value)
+    assert "runs mixed_precision='bf16'" in message and "was created with" not in message
+    assert "or an earlier Accelerator in this process was" in message
+    assert "one state per process" in message and "first Accelerator of a fresh process" in message
+    with pytest.raises(IntegrationError, match="created here without mixed_precision inherited"):
+        AmpAccelerator()  # the Accelerator it creates itself was given nothing for sure
+    _reset_accelerate()
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")  # as accelerate launch sets it
+    with pytest.raises(IntegrationError, match="ACCELERATE_MIXED_PRECISION='fp16' is set"):
+        AmpAccelerator(accelerate.Accelerator(cpu=True))
+
+
 class _Tokens(torch.utils.data.Dataset):
     def __init__(self):
         self.ids = torch.randint(0, 64, (24, 16), generator=torch.Generator().manual_seed(2))

@@ -31,11 +31,13 @@ Costs: none per step beyond the opt level's; ``optimizer_step_was_skipped`` read
 reads the skip flag once per step (``fused=True`` avoids it).
 
 Supported: one process or DDP (``MULTI_GPU``/``MULTI_CPU``); DeepSpeed, FSDP, Megatron-LM and
-XLA bring their own precision handling and are refused. Install ``pip install 'mixprec[hf]'``.
+XLA bring their own precision handling and are refused. Install with ``pip install -e '.[hf]'``
+in the checkout.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -56,6 +58,37 @@ __all__ = ["AmpAccelerator"]
 _SUPPORTED = ("NO", "MULTI_GPU", "MULTI_CPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA",
               "MULTI_MUSA", "MULTI_HPU")  # fmt: skip
 _OWN = ("_accelerator", "_engine", "config")
+
+
+def _own_precision_message(mode: str, created_here: bool) -> str:
+    """Why an Accelerator runs its own mixed precision, and how to get one that does not.
+
+    Accelerate keeps one state per process (``AcceleratorState``): the first Accelerator created
+    in a process fixes its mixed precision (from its argument, or ``ACCELERATE_MIXED_PRECISION``,
+    which ``accelerate launch --mixed_precision`` and ``accelerate config`` set), and a later
+    ``Accelerator()`` given no ``mixed_precision`` inherits it. So the Accelerator's value does not
+    say what its creator passed; the message names each source that can have set it.
+    """
+    env = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if env != "no":
+        source = (f"ACCELERATE_MIXED_PRECISION={env!r} is set in this process's environment "
+                  f"(accelerate launch --mixed_precision or accelerate config set it)")  # fmt: skip
+    elif created_here:
+        source = ("an earlier Accelerator in this process set it: Accelerate keeps one state per "
+                  "process (AcceleratorState), and the Accelerator created here without "
+                  "mixed_precision inherited it")  # fmt: skip
+    else:
+        source = ("either it was given that, or an earlier Accelerator in this process was: "
+                  "Accelerate keeps one state per process (AcceleratorState), and an "
+                  "Accelerator() created later without mixed_precision inherits it")  # fmt: skip
+    return (
+        f"the Accelerator runs mixed_precision={mode!r} ({source}), which would run "
+        f"torch.autocast and torch's GradScaler under mixprec's. Wrap an Accelerator whose "
+        f"precision is 'no': create it with mixed_precision='no' (the default) as the first "
+        f"Accelerator of a fresh process (Accelerate cannot change the precision of a process "
+        f"whose state is set), launched without --mixed_precision, and choose the precision "
+        f"here: AmpAccelerator(Accelerator(), dtype='fp16')."
+    )
 
 
 class AmpAccelerator:
@@ -84,7 +117,8 @@ class AmpAccelerator:
         hold_schedule_on_skip: bool | None = None,
         config: AmpConfig | None = None,
     ) -> None:
-        if accelerator is None:
+        created_here = accelerator is None
+        if created_here:
             accelerator = accelerate.Accelerator()
         if isinstance(accelerator, AmpAccelerator):
             raise IntegrationError("this Accelerator is an AmpAccelerator already; wrap it once.")
@@ -93,12 +127,8 @@ class AmpAccelerator:
                 f"AmpAccelerator wraps an accelerate.Accelerator, got {type(accelerator).__name__}."
             )
         if str(accelerator.mixed_precision) != "no":
-            raise IntegrationError(
-                f"the Accelerator was created with mixed_precision={accelerator.mixed_precision!r}"
-                f", which would run torch.autocast and torch's GradScaler under mixprec's. Create "
-                f"it with mixed_precision='no' (the default) and choose the precision here: "
-                f"AmpAccelerator(Accelerator(), dtype='fp16')."
-            )
+            raise IntegrationError(_own_precision_message(str(accelerator.mixed_precision),
+                                                          created_here))  # fmt: skip
         kind = accelerator.distributed_type
         if getattr(kind, "name", str(kind)) not in _SUPPORTED:
             raise IntegrationError(
