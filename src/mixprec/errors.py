@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 __all__ = [
     "AutocastError",
     "BannedOpError",
+    "DeviceTypeError",
     "MixprecError",
     "PolicyError",
     "format_options",
@@ -30,6 +31,15 @@ class PolicyError(MixprecError, ValueError):
 
 class AutocastError(MixprecError, RuntimeError):
     """An autocast region was used in a way that cannot work (device or dtype unsupported)."""
+
+
+class DeviceTypeError(PolicyError, RuntimeError):
+    """An unknown device type (``'tpu'``, ``'gpu'``...).
+
+    A PolicyError (a ValueError), like every bad name mixprec is given, and also a RuntimeError,
+    which ``torch.autocast`` raises for one: ``except RuntimeError`` written for torch keeps
+    working.
+    """
 
 
 class BannedOpError(MixprecError, RuntimeError):
