@@ -257,13 +257,45 @@ def test_backward_matches_torch_autocast_bitwise():
 def test_error_unknown_device_type():
     with pytest.raises(mixprec.PolicyError, match="Valid device types: 'cpu', 'cuda'"):
         mixprec.autocast("tpu")
+    # torch raises a RuntimeError: code written for it catches ours too.
+    with pytest.raises(RuntimeError):
+        torch.autocast("tpu")
+    with pytest.raises(RuntimeError, match="unknown device type 'tpu'"):
+        mixprec.autocast("tpu")
+    with pytest.raises(RuntimeError, match="unknown device type 'gpu'"):
+        mixprec.is_autocast_enabled("gpu")
 
 
 def test_error_dtype_names():
     with pytest.raises(mixprec.PolicyError, match="unknown dtype 'int8'"):
         mixprec.autocast("cpu", dtype="int8")
-    with pytest.raises(mixprec.PolicyError, match="enabled=False"):
-        mixprec.autocast("cpu", dtype=torch.float32)
+    with pytest.raises(mixprec.PolicyError, match="unknown dtype 'int8'"):
+        mixprec.autocast("cpu", dtype="int8", enabled=False)
+
+
+def _inside(region) -> tuple:
+    with region:
+        y = torch.randn(2, 2) @ torch.randn(2, 2)
+        return torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), y.dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_disabled_region_takes_any_dtype_as_torch_does(dtype, recwarn):
+    # The `autocast(dtype=..., enabled=use_amp)` pattern with fp32 for the fp32 baseline.
+    ref = _inside(torch.autocast("cpu", dtype=dtype, enabled=False))
+    region = mixprec.autocast("cpu", dtype=dtype, enabled=False)
+    assert _inside(region) == ref == (False, dtype, torch.float32)
+    assert not region.enabled and region.dtype == dtype
+    assert torch.get_autocast_dtype("cpu") == torch.bfloat16  # restored
+    assert not recwarn.list
+
+
+def test_enabled_region_with_fp32_warns_and_runs_disabled_as_torch_does():
+    with pytest.warns(UserWarning, match="target dtype is not supported. Disabling autocast"):
+        ref = _inside(torch.autocast("cpu", dtype=torch.float32))
+    with pytest.warns(UserWarning, match=r"region is disabled.*Pass enabled=False"):
+        region = mixprec.autocast("cpu", dtype=torch.float32)
+    assert _inside(region) == ref == (False, torch.float32, torch.float32)
 
 
 def test_error_argument_types():
@@ -319,10 +351,11 @@ def test_mode_pushes_and_pops_exactly_once():
 
 
 def test_decorating_a_non_callable_names_the_context_manager_form():
+    # torch's message, which torch's own test matches, with mixprec's region in the example.
+    with pytest.raises(TypeError) as ref:
+        torch.autocast("cpu")(42)  # type: ignore[arg-type]
     with pytest.raises(TypeError) as err:
         mixprec.autocast("cpu")(42)  # type: ignore[arg-type]
-    assert str(err.value) == (
-        "mixprec.autocast(...)(func) decorates a function, but got int 42. Did you mean to use "
-        "it as a context manager? For example:\n    with mixprec.autocast('cpu'):\n"
-        "        output = model(input)"
+    assert str(err.value) == "mixprec." + str(ref.value).replace(
+        "with torch.autocast(device_type=...)", "with mixprec.autocast('cpu')"
     )

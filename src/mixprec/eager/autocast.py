@@ -17,7 +17,15 @@ import torch
 from torch.overrides import _pop_mode, _push_mode
 
 from mixprec._compat import autocast_state_traceable, dynamo_tracing
-from mixprec.dtypes import default_dtype, parse_device_type, parse_dtype, resolve_dtype
+from mixprec.dtypes import (
+    LOW_DTYPES,
+    DtypeChoice,
+    default_dtype,
+    dtype_name,
+    parse_device_type,
+    parse_dtype,
+    resolve_dtype,
+)
 from mixprec.eager.mode import AutocastMode, find_mode, torch_state
 from mixprec.eager.table import Region
 from mixprec.errors import AutocastError
@@ -51,7 +59,10 @@ class autocast:
             tensors and non-floating tensors are never cast.
         dtype: the low dtype (``torch.float16``/``'fp16'``, ``torch.bfloat16``/``'bf16'``).
             Default: the policy's compute dtype, else fp16 on CUDA and bf16 on CPU. fp16 on CPU
-            is allowed but slow on most CPUs (no fast fp16 matmul kernels).
+            is allowed but slow on most CPUs (no fast fp16 matmul kernels). Another dtype
+            (fp32) disables the region, as in ``torch.autocast``: silently with
+            ``enabled=False`` (the ``autocast(dtype=..., enabled=use_amp)`` pattern), with a
+            warning otherwise.
         enabled: False makes the region a no-op; inside an enabled region it switches autocast off
             for `device_type` until the inner region exits.
         cache_enabled: cache the low-precision cast of each fp32 weight for the region (one cast
@@ -60,8 +71,12 @@ class autocast:
         policy: a :class:`~mixprec.Policy` or its string form. Default: ``Policy()``.
 
     Raises:
-        PolicyError: unknown device type or dtype, or a dtype that is not 16-bit.
-        AutocastError: bf16 on a CUDA GPU without bf16 support.
+        DeviceTypeError: unknown device type (a PolicyError, and a RuntimeError as in torch).
+        PolicyError: unknown dtype name, or a device type or dtype of the wrong type.
+        AutocastError: bf16 on a CUDA GPU without bf16 support (enabled regions only).
+
+    Besides ``torch.autocast``'s strings, `device_type` may be a ``torch.device`` (its type is
+    used).
 
     Costs:
         Each torch call in the region pays a Python-level dispatch (about a microsecond; calls
@@ -92,8 +107,18 @@ class autocast:
                 f"cache_enabled must be a bool or None, got {type(cache_enabled).__name__}."
             )
         self.policy = policy = as_policy(policy)
-        if dtype is not None:
-            parse_dtype(dtype, low_only=True)  # validate even when disabled
+        requested = None if dtype is None else parse_dtype(dtype)  # validated even when disabled
+        if enabled and requested is not None and requested not in LOW_DTYPES:
+            if requested.is_floating_point and requested.itemsize == 1:
+                parse_dtype(requested, low_only=True)  # FP8: raises, naming the FP8 layer rule
+            warnings.warn(
+                f"mixprec.autocast({self.device_type!r}, dtype={dtype_name(requested)!r}): "
+                f"autocast computes in a 16-bit dtype ('bf16' or 'fp16'), so the region is "
+                f"disabled, as torch.autocast disables it. Pass enabled=False to run in "
+                f"{dtype_name(requested)} without this warning.",
+                stacklevel=2,
+            )
+            enabled = False
         if enabled and self.device_type == "cuda" and not torch.cuda.is_available():
             warnings.warn(
                 "mixprec.autocast('cuda') was requested but CUDA is not available; the region is "
@@ -104,8 +129,10 @@ class autocast:
         self.enabled = enabled
         if enabled:
             choice = resolve_dtype(self.device_type, dtype, policy.compute)
-        elif dtype is not None:
-            choice = resolve_dtype(self.device_type, dtype)
+        elif requested is not None:
+            # Disabled: torch.autocast still sets the requested dtype as the device's autocast
+            # dtype inside the region (fp32 too), and checks nothing more.
+            choice = DtypeChoice(requested, "requested by the dtype argument (region disabled)")
         else:
             choice = default_dtype(self.device_type)
         self.dtype: torch.dtype = choice.dtype
@@ -189,10 +216,11 @@ class autocast:
     def __call__(self, func: F) -> F:
         """Use the region as a decorator: each call of `func` runs in a fresh region."""
         if not callable(func):
+            # torch's message (its tests match it), naming mixprec's region in the example.
             raise TypeError(
-                f"mixprec.autocast(...)(func) decorates a function, but got "
-                f"{type(func).__name__} {func!r}. Did you mean to use it as a context manager? "
-                f"For example:\n    with mixprec.autocast({self.device_type!r}):\n"
+                f"mixprec.autocast()(func) requires a callable, but got {type(func).__name__}. "
+                f"Did you mean to use autocast as a context manager? For example:\n"
+                f"    with mixprec.autocast({self.device_type!r}):\n"
                 f"        output = model(input)"
             )
 
