@@ -30,7 +30,10 @@ silently stops being run.
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import os
+import re
 import subprocess
 import sys
 import time
@@ -121,3 +124,21 @@ def test_every_page_is_read() -> None:
         fences = sum(1 for line in text if line.strip() == "```python")
         blocks: list[Block] = parse(path)
         assert len(blocks) == fences, path
+
+
+def test_api_reference_lists_every_public_name() -> None:
+    """docs/api.md documents mixprec.__all__ and every public class of mixprec.integrations."""
+    import mixprec
+
+    listed = set(re.findall(r"^::: ([\w.]+)$", (ROOT / "docs" / "api.md").read_text(), re.M))
+    missing = [f"mixprec.{n}" for n in mixprec.__all__ if n != "__version__"]
+    for name in ("engine", "errors", "lightning", "accelerate", "transformers", "tensorboard"):
+        module = importlib.import_module(f"mixprec.integrations.{name}")
+        missing += [
+            f"{module.__name__}.{n}"
+            for n in module.__all__
+            if inspect.isclass(getattr(module, n))
+            and getattr(module, n).__module__ == module.__name__
+        ]
+    missing = [n for n in missing if n not in listed]
+    assert not missing, f"add to docs/api.md: {', '.join('::: ' + n for n in missing)}"

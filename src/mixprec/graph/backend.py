@@ -248,7 +248,11 @@ def compile(
     Args:
         model_or_fn: an ``nn.Module`` or a function (a whole training step's forward and loss,
             for example).
-        policy, dtype, device_type, backend, casts: as for `AmpBackend`.
+        policy: a `mixprec.Policy` or its string form (default: torch.autocast's lists).
+        dtype: the low dtype (default: the policy's, else the device's: fp16 CUDA, bf16 CPU).
+        device_type: the device type of the region (default: that of the first floating input).
+        backend: the backend that compiles the result (``'inductor'``, ``'aot_eager'``, ...).
+        casts: ``'exact'``, ``'minimal'`` or ``'off'`` (see `AmpBackend`).
         compile_kwargs: passed to ``torch.compile`` (``fullgraph``, ``dynamic``, ``mode``...).
 
     Returns:

@@ -96,8 +96,12 @@ class AmpAccelerator:
 
     Args:
         accelerator: the Accelerator to wrap, created with ``mixed_precision="no"`` (default).
-        opt_level, dtype, policy, scaler, options, hold_schedule_on_skip: see `AmpConfig`
-            (default O1; dtype fp16 on CUDA, bf16 elsewhere).
+        opt_level: ``'O0'`` ... ``'O3'`` (default ``'O1'``).
+        dtype: ``'fp16'`` or ``'bf16'`` (default fp16 on CUDA, bf16 elsewhere).
+        policy: a `mixprec.Policy` or its string form, for O1's autocast (see `AmpConfig`).
+        scaler: `mixprec.GradScaler` keyword arguments, used when the level scales (fp16).
+        options: ``mixprec.initialize``'s option overrides (``keep_batchnorm_fp32``, ...).
+        hold_schedule_on_skip: hold LR schedulers still on skipped steps (default True).
         config: an `AmpConfig` instead of those arguments.
 
     Raises:

@@ -129,7 +129,10 @@ class MixprecPrecision(_Common, _TrainerPrecision):
         dtype: ``'fp16'`` (scaled with `mixprec.GradScaler`) or ``'bf16'``; default fp16 on
             CUDA, bf16 elsewhere.
         device: the device type training runs on (default: cuda if available, else cpu).
-        policy, scaler, options, hold_schedule_on_skip: see `AmpConfig`.
+        policy: a `mixprec.Policy` or its string form, for O1's autocast (see `AmpConfig`).
+        scaler: `mixprec.GradScaler` keyword arguments, used when the level scales (fp16).
+        options: ``mixprec.initialize``'s option overrides (``keep_batchnorm_fp32``, ...).
+        hold_schedule_on_skip: hold LR schedulers still on skipped steps (default True).
         config: an `AmpConfig` instead of the arguments above.
 
     Example::

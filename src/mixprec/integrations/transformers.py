@@ -101,7 +101,8 @@ class AmpTrainerMixin:
     Args:
         amp: the `AmpConfig` (default: O1, fp16 on CUDA, bf16 elsewhere).
         amp_callback: the `AmpMetricsCallback` to use (default: a new one, every 50 steps).
-        *args, **kwargs: the Trainer's.
+        *args: the Trainer's positional arguments.
+        **kwargs: the Trainer's keyword arguments.
     """
 
     def __init__(
