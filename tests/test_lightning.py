@@ -4,7 +4,9 @@ accumulation and manual optimization. Tiny model, a few steps, CPU."""
 
 from __future__ import annotations
 
+import copy
 import math
+import pickle
 import warnings
 
 import pytest
@@ -323,3 +325,134 @@ def test_plugin_errors_name_the_fix():
         torch.tensor(1.0)).item())  # fmt: skip
     assert MixprecPrecision("O3", "fp16", device="cpu").precision == "16-true"
     assert isinstance(MixprecPrecision(config=AmpConfig("O2", "bf16")).config, AmpConfig)
+
+
+# --------------------------------------- gaps that Lightning's own AMP tests found (tests/peers)
+
+
+def test_configs_and_plugins_survive_pickle_and_deepcopy():
+    """strategy='ddp_spawn' pickles the Trainer (or Fabric) with its plugin into each process."""
+    config = AmpConfig("O2", "fp16", policy="compute=fp16", scaler=SCALER,
+                       options={"keep_batchnorm_fp32": True})  # fmt: skip
+    roundtrips = [copy.deepcopy, lambda obj: pickle.loads(pickle.dumps(obj))]
+    for again in (roundtrip(config) for roundtrip in roundtrips):
+        assert again == config and again.scaler == SCALER
+        with pytest.raises(TypeError):  # still frozen
+            again.scaler["init_scale"] = 1.0  # type: ignore[index]
+    for plugin in (MixprecPrecision(config=config, device="cpu"),
+                   MixprecFabricPrecision(config=config, device="cpu")):  # fmt: skip
+        for roundtrip in roundtrips:
+            twin = roundtrip(plugin)
+            assert twin.config == config and twin.precision == plugin.precision == "16-mixed"
+            assert twin.scaler.get_scale() == SCALER["init_scale"]
+
+
+class _Lbfgs(L.LightningModule):
+    """LBFGS calls the closure (forward and backward) several times in each step."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = tiny_net()
+        self.losses: list[torch.Tensor] = []
+
+    def training_step(self, batch, i):
+        loss = F.mse_loss(self.net(batch[0]).float(), batch[1])
+        self.losses.append(loss.detach())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters(), lr=0.5, max_iter=3)
+
+
+def _fit_lbfgs(**precision):
+    module = _Lbfgs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False,
+                            enable_progress_bar=False, enable_checkpointing=False,
+                            enable_model_summary=False, **precision)  # fmt: skip
+        trainer.fit(module, _loader())
+    return module
+
+
+def _fabric_lbfgs(**precision):
+    fabric = L.Fabric(accelerator="cpu", **precision)
+    net = tiny_net()
+    model, opt = fabric.setup(net, torch.optim.LBFGS(net.parameters(), lr=0.5, max_iter=3))
+    losses = []
+    for x, y in list(_loader())[:2]:
+
+        def closure(x=x, y=y):
+            opt.zero_grad()
+            loss = F.mse_loss(model(x).float(), y)
+            fabric.backward(loss)
+            losses.append(loss.detach())
+            return loss
+
+        opt.step(closure)
+    return losses, net
+
+
+def test_lbfgs_with_a_closure_runs_in_bf16_as_under_lightnings_own_plugin():
+    """Without loss scaling and masters (bf16 at O1) the optimizer runs the closure, as under
+    Lightning's "bf16-mixed": same losses and weights, bit for bit (Trainer and Fabric)."""
+    theirs = _fit_lbfgs(precision="bf16-mixed")
+    ours = _fit_lbfgs(plugins=[MixprecPrecision("O1", "bf16", device="cpu")])
+    assert len(ours.losses) > 2  # the closure ran several times per step
+    assert torch.equal(torch.stack(ours.losses), torch.stack(theirs.losses))
+    for a, b in zip(ours.net.parameters(), theirs.net.parameters(), strict=True):
+        assert torch.equal(a, b)
+    ref_losses, ref = _fabric_lbfgs(precision="bf16-mixed")
+    losses, net = _fabric_lbfgs(plugins=[MixprecFabricPrecision("O1", "bf16", device="cpu")])
+    assert len(losses) > 2 and torch.equal(torch.stack(losses), torch.stack(ref_losses))
+    for a, b in zip(net.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_lbfgs_under_loss_scaling_or_masters_is_refused_naming_bf16():
+    for level in ("O1", "O2"):  # fp16: a scaled loss; O2: fp32 masters
+        with pytest.raises(IntegrationError, match=r"LBFGS .*dtype='bf16'"):
+            _fit_lbfgs(plugins=[MixprecPrecision(level, "fp16", device="cpu")])
+    with pytest.raises(mixprec.ScalerStateError, match="closure.*bf16 at O1 or O3"):
+        _fabric_lbfgs(plugins=[MixprecFabricPrecision("O1", "fp16", device="cpu")])
+
+
+class _KeywordSGD(torch.optim.SGD):
+    def step(self, closure=None, *, note=None):
+        self.notes.append(note)
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_step_keyword_arguments_reach_the_optimizer(dtype):
+    """optimizer.step(..., note=...) in manual optimization: passed on, scaled step or not."""
+
+    class Manual(Module):
+        def training_step(self, batch, i):
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(self._loss(batch))
+            opt.step(note=i)
+
+        def configure_optimizers(self):
+            opt = _KeywordSGD(self.parameters(), lr=0.1)
+            opt.notes = []
+            return opt
+
+    module = Manual(manual=True)
+    _, trainer = _fit(MixprecPrecision("O1", dtype, device="cpu", scaler=SCALER), module, steps=3)
+    assert trainer.optimizers[0].optimizer.notes == [0, 1, 2]
+
+
+def test_scaler_can_be_replaced_before_setup_only():
+    plugin = MixprecPrecision("O1", "fp16", device="cpu")
+    with pytest.raises(IntegrationError, match=r"mixprec.GradScaler.*scaler=\{'init_scale'"):
+        plugin.scaler = torch.amp.GradScaler("cpu")
+    mine = mixprec.GradScaler("cpu", init_scale=4.0)
+    plugin.scaler = mine  # before setup: the optimizers will step with it
+    net = tiny_net()
+    plugin.connect(net, [torch.optim.SGD(net.parameters(), lr=0.1)], [])
+    assert plugin.engine.optimizers[0].scaler is mine
+    with pytest.raises(IntegrationError, match="before trainer.fit / fabric.setup"):
+        plugin.scaler = mixprec.GradScaler("cpu")
+    assert plugin.scaler is mine

@@ -67,6 +67,12 @@ def _freeze(value: Mapping[str, Any] | None, what: str) -> Mapping[str, Any]:
     if value is None:
         return MappingProxyType({})
     if not isinstance(value, Mapping):
+        if what == "scaler":
+            raise IntegrationError(
+                f"AmpConfig scaler= takes GradScaler settings as a dict, e.g. "
+                f"scaler={{'init_scale': 1024.0, 'growth_interval': 2000}}, got "
+                f"{type(value).__name__}: the integration makes its own mixprec.GradScaler."
+            )
         raise IntegrationError(f"AmpConfig {what} must be a dict, got {type(value).__name__}.")
     return MappingProxyType(dict(value))
 
@@ -114,6 +120,13 @@ class AmpConfig:
             )
         if not isinstance(self.hold_schedule_on_skip, bool):
             raise IntegrationError("AmpConfig hold_schedule_on_skip must be True or False.")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A mappingproxy cannot be pickled: rebuild from plain dicts (frozen again on the way in),
+        # so that configs and the plugins holding them survive copy.deepcopy and the process
+        # spawns of strategy="ddp_spawn".
+        return (type(self), (self.opt_level, self.dtype, self.policy, dict(self.scaler),
+                             dict(self.options), self.hold_schedule_on_skip))  # fmt: skip
 
     def resolve(self, device_type: str) -> AmpOptions:
         """The opt level resolved for `device_type` (what ``mixprec.describe`` prints)."""
@@ -348,8 +361,12 @@ class AmpEngine:
         return torch.nn.utils.clip_grad_norm_(list(self.main_params(optimizer)), max_norm,
                                               norm_type=norm_type)  # fmt: skip
 
-    def step(self, optimizer: Any) -> Any:
-        """The scaled optimizer step (skipped on the device on overflow) and the scale update."""
+    def step(self, optimizer: Any, closure: Any = None, **kwargs: Any) -> Any:
+        """The scaled optimizer step (skipped on the device on overflow) and the scale update.
+
+        Keyword arguments go to the optimizer's ``step``; a closure only where nothing is
+        scaled or kept as masters (`AmpOptimizer.step`).
+        """
         amp = self._amp(optimizer)
         if not isinstance(amp, AmpOptimizer) or amp not in self.optimizers:
             raise IntegrationError(
@@ -357,7 +374,13 @@ class AmpEngine:
                 f"optimizer through it (the precision plugin's connect/initialize, or "
                 f"accelerator.prepare)."
             )
-        return amp.step()
+        return amp.step(closure, **kwargs)
+
+    def takes_closure(self, optimizer: Any) -> bool:
+        """Whether `optimizer`'s step can run a closure: no loss scaling and no fp32 masters (a
+        closure inside the step could be neither scaled nor moved into the masters)."""
+        amp = self._amp(optimizer)
+        return self.scaler is None and not (isinstance(amp, AmpOptimizer) and amp._low)
 
     @property
     def last_step_skipped(self) -> bool:

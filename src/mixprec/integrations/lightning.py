@@ -30,6 +30,7 @@ Install with ``pip install -e '.[lightning]'`` (in the checkout).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -51,6 +52,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
 from mixprec.diagnostics.metrics import AmpMetrics, MetricsBatch  # noqa: E402
 from mixprec.levels.model import cast_floats  # noqa: E402
 from mixprec.levels.optimizer import AmpOptimizer  # noqa: E402
+from mixprec.scaling.scaler import GradScaler  # noqa: E402
 from mixprec.scaling.schedule import SkipAwareLR  # noqa: E402
 
 __all__ = [
@@ -98,11 +100,38 @@ class _Common:
 
     @property
     def scaler(self) -> Any:
-        """The `mixprec.GradScaler` (None when the level does not scale: bf16, O3, O0)."""
+        """The `mixprec.GradScaler` (None when the level does not scale: bf16, O3, O0).
+
+        Settable before training starts, as Lightning's plugins' ``scaler`` attribute is (to
+        wrap it, e.g. in a ``Mock(wraps=...)``); after the optimizers are set up it would no
+        longer be the one they step with, so it is refused then.
+        """
         return self.engine.scaler
 
-    def forward_context(self) -> AbstractContextManager:
+    @scaler.setter
+    def scaler(self, scaler: Any) -> None:
+        if isinstance(scaler, torch.amp.GradScaler):
+            raise IntegrationError(
+                f"{type(self).__name__}.scaler is a mixprec.GradScaler (torch's API, no host "
+                f"sync); got a torch.amp.GradScaler. Pass its settings instead: "
+                f"{type(self).__name__}(..., scaler={{'init_scale': 1024.0}})."
+            )
+        if self.engine.optimizers:
+            raise IntegrationError(
+                f"{type(self).__name__}.scaler was set after its optimizers were set up, which "
+                f"keep the scaler they were set up with. Set it before trainer.fit / "
+                f"fabric.setup, or pass its settings: {type(self).__name__}(..., scaler={{...}})."
+            )
+        self.engine.scaler = scaler
+
+    def autocast_context_manager(self) -> AbstractContextManager:
+        """The region the forward runs in, as Lightning's ``MixedPrecision`` has it: a
+        ``mixprec.autocast`` (device, dtype, policy) for O1; a null context for O2, O3 and O0,
+        whose model is cast instead."""
         return self.engine.autocast()
+
+    def forward_context(self) -> AbstractContextManager:
+        return self.autocast_context_manager()
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         return self.engine.convert_module(module)
@@ -189,11 +218,23 @@ class MixprecPrecision(_Common, _TrainerPrecision):
     def optimizer_step(  # type: ignore[override]
         self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
-        """Closure (forward, backward), unscale, Lightning's hooks and clipping, scaled step."""
-        if kwargs:
+        """Closure (forward, backward), unscale, Lightning's hooks and clipping, scaled step.
+
+        Keyword arguments go to the optimizer's ``step``. Without loss scaling and masters (bf16
+        at O1 or O3) the optimizer runs the closure itself, as under Lightning's own plugins, so
+        optimizers that evaluate it several times (LBFGS) work; with them, the closure runs
+        first and such optimizers are refused.
+        """
+        if self.engine.takes_closure(optimizer):
+            wrapped = functools.partial(self._wrap_closure, model, optimizer, closure)
+            return self.engine.step(optimizer, closure=wrapped, **kwargs)
+        inner = unwrap_optimizer(optimizer)
+        if isinstance(getattr(inner, "optimizer", inner), torch.optim.LBFGS):
             raise IntegrationError(
-                f"optimizer.step() got keyword arguments {sorted(kwargs)}; a scaled step cannot "
-                f"pass them on (the step may be undone on the device). Drop them."
+                f"LBFGS re-evaluates the loss inside its step, which "
+                f"{self.engine.options.level.value} with {self.precision!r} cannot follow (the "
+                f"loss is scaled, or fp32 masters are stepped). Use MixprecPrecision('O1', "
+                f"dtype='bf16') or 'O3' with bf16 (no scaling, no masters), or another optimizer."
             )
         closure_result = closure()
         # As Lightning: a training_step that returned None ran no backward; nothing to step.
@@ -203,7 +244,7 @@ class MixprecPrecision(_Common, _TrainerPrecision):
         self._after_closure(model, optimizer)
         if skipped_backward:
             return closure_result
-        return self.engine.step(optimizer)
+        return self.engine.step(optimizer, **kwargs)
 
     def clip_gradients(  # type: ignore[override]
         self,
@@ -231,6 +272,12 @@ def _hold_schedule(config: Any, by_id: dict[int, AmpOptimizer], engine: AmpEngin
         return
     rebind = amp.optimizer is not sched.optimizer  # O2: the lr lives in the masters' optimizer
     scaler = engine.scaler if hold else None
+    if scaler is not None and not isinstance(scaler, GradScaler):
+        # A scaler set by hand (a Mock(wraps=...) in tests): SkipAwareLR reads a
+        # mixprec.GradScaler's skip flags on the device and cannot follow another one.
+        log.warning("mixprec: the LR schedule steps on skipped steps too: the plugin's scaler "
+                    "(%s) is not a mixprec.GradScaler.", type(scaler).__name__)  # fmt: skip
+        scaler = None
     if scaler is None and not rebind:
         return
     config.scheduler = SkipAwareLR(sched, scaler, optimizer=amp)
@@ -309,12 +356,9 @@ class MixprecFabricPrecision(_Common, _FabricPrecision):
         self.engine.after_backward()
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        if kwargs:
-            raise IntegrationError(
-                f"optimizer.step() got keyword arguments {sorted(kwargs)}; a scaled step cannot "
-                f"pass them on. Drop them."
-            )
-        result = self.engine.step(self._amp_for(optimizer))
+        """The scaled step; keyword arguments (a closure too, without scaling and masters: bf16
+        at O1 or O3) go to the optimizer's ``step``."""
+        result = self.engine.step(self._amp_for(optimizer), **kwargs)
         self._backward_pending = False
         return result
 

@@ -220,17 +220,27 @@ class AmpOptimizer(torch.optim.Optimizer):
         for low in self._low:
             low.grad = None
 
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        """Step the inner optimizer (on the masters in O2); skipped on the device on overflow."""
-        if closure is not None:
+    def step(self, closure: Any = None, **kwargs: Any) -> Any:  # type: ignore[override]
+        """Step the inner optimizer (on the masters in O2); skipped on the device on overflow.
+
+        Keyword arguments go to the inner optimizer's ``step``. A closure (LBFGS) is passed on
+        only without loss scaling and fp32 masters (bf16 at O1 or O3): a loss the closure
+        recomputes inside the step could be neither scaled nor moved into the masters.
+        """
+        if closure is not None and (self.scaler is not None or self._low):
+            why = "scales the loss" if self.scaler is not None else "steps fp32 master weights"
             raise ScalerStateError(
-                "AmpOptimizer.step does not take a closure: compute the loss and call backward "
-                "inside mixprec.scale_loss(loss, optimizer), then optimizer.step()."
+                f"AmpOptimizer.step got a closure, but {self.options.level.value} {why}: a loss "
+                f"recomputed inside step() can be neither scaled nor moved into the masters. "
+                f"Compute the loss and call backward inside mixprec.scale_loss(loss, optimizer), "
+                f"then optimizer.step(); an optimizer that needs a closure (LBFGS) runs with "
+                f"bf16 at O1 or O3 (no loss scaling, no masters)."
             )
         self._after_backward()
         scaler = self.scaler
         if scaler is None:
-            result = self.optimizer.step()
+            args = () if closure is None else (closure,)
+            result = self.optimizer.step(*args, **kwargs)
         else:
             if not self._scaling.scaled or id(self) in self._scaling.stepped:
                 raise ScalerStateError(
@@ -240,7 +250,7 @@ class AmpOptimizer(torch.optim.Optimizer):
                     f"before optimizer.step(); a plain loss.backward() leaves gradients the "
                     f"scaler cannot interpret."
                 )
-            result = scaler.step(self.optimizer)
+            result = scaler.step(self.optimizer, **kwargs)
             self._scaling.pending = True
             self._scaling.stepped.add(id(self))
         if self._fp8:
