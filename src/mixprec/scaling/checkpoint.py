@@ -191,7 +191,7 @@ def _loss_entry(sd: dict[str, Any], cfg: ScaleConfig, where: str) -> dict[str, A
 def _wrong_kind(sd: dict[str, Any]) -> str | None:
     """What `sd` is, when it is some other object's state dict (the usual mix-up)."""
     fmt = sd.get("format")
-    if fmt == "mixprec.AmpOptimizer/1":
+    if fmt in ("mixprec.AmpOptimizer/1", "mixprec.AmpOptimizer/2"):
         return ("this is an AmpOptimizer's state dict (mixprec.initialize's optimizer), which "
                 "holds the scaler under 'scaler': load it with optimizer.load_state_dict(...), "
                 "or pass state_dict['scaler'] here")  # fmt: skip
@@ -208,6 +208,32 @@ def _wrong_kind(sd: dict[str, Any]) -> str | None:
             return (f"this looks like a whole training checkpoint; the scaler's state is under "
                     f"{key!r}: pass state_dict[{key!r}]")  # fmt: skip
     return None
+
+
+def _from_apex(sd: dict[str, Any], scaler: GradScaler) -> dict[str, Any]:
+    """Apex's ``amp.state_dict()`` (``{'loss_scaler0': {'loss_scale', 'unskipped'}, ...}``) in
+    this format, with this scaler's config; any other dict unchanged. Apex's ``unskipped`` is
+    the growth tracker (clean updates since the last growth or overflow)."""
+    keys = [f"loss_scaler{i}" for i in range(len(sd))]
+    if not sd or sorted(sd) != sorted(keys):
+        return sd
+    losses = []
+    for key in keys:
+        entry = sd[key]
+        if not isinstance(entry, dict) or not {"loss_scale", "unskipped"} <= set(entry):
+            raise ScalerCheckpointError(
+                f"state_dict[{key!r}] is not an Apex loss scaler's entry: it needs the keys "
+                f"'loss_scale' and 'unskipped'."
+            )
+        losses.append({"scale": entry["loss_scale"], "_growth_tracker": entry["unskipped"]})
+    cfg = scaler._config
+    out: dict[str, Any] = {
+        **losses[0], "growth_factor": cfg.growth_factor, "backoff_factor": cfg.backoff_factor,
+        "growth_interval": cfg.growth_interval,
+    }  # fmt: skip
+    if len(losses) > 1:
+        out["losses"] = losses
+    return out
 
 
 def validate(
@@ -232,6 +258,7 @@ def validate(
             "the state dict is empty: it was probably saved from a disabled GradScaler. Load it "
             "into a disabled scaler, or drop it."
         )
+    sd = _from_apex(sd, scaler)
     kind = _wrong_kind(sd)
     if kind is not None:
         raise ScalerCheckpointError(f"not a GradScaler state dict: {kind}.")

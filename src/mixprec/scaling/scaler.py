@@ -229,6 +229,7 @@ class GradScaler:
         self._per_optimizer: dict[int, _PerOptimizer] = {}
         self._guards: dict[int, StepGuard] = {}
         self._already_unscaled: set[int] = set()  # optimizers whose grads scaled() unscaled
+        self._block_found: dict[int, torch.Tensor] = {}  # their overflows, from those blocks
 
     # ------------------------------------------------------------------ state on the device
 
@@ -324,6 +325,11 @@ class GradScaler:
         Gradients accumulated before the block are set aside, the block's backward writes
         ``scale_i * g_i``, which is unscaled and checked on exit (overflows are charged to loss
         `loss_id` only) and added back. Cost: one extra gradient buffer while the block runs.
+
+        An overflow skips the step of the optimizers passed to the block that saw it, and only
+        theirs (as Apex's ``scale_loss``; as torch's scaler, whose skip is per optimizer): with
+        two optimizers and two blocks, an overflow in the first optimizer's block leaves the
+        second optimizer stepping.
         """
         if not self._enabled:
             yield loss
@@ -351,13 +357,20 @@ class GradScaler:
         losses = self._ensure(loss.device)
         entry = losses[loss_id]
         groups = group_grads(params)
+        main = entry.state.scale.device
+        block = torch.zeros((), dtype=torch.float32, device=main)  # this block's overflows
         for device, per_dtype in groups.items():
             inv = self._inv_scale(entry, device)
             found = torch.zeros((), dtype=torch.float32, device=device)
             for grads in per_dtype.values():
                 unscale_and_check_(grads, inv, found, self._unscale_impl)
-            found = found.to(entry.state.scale.device, non_blocking=True)
-            entry.found_inf = found if entry.found_inf is None else entry.found_inf + found
+            block = block + found.to(main, non_blocking=True)
+        # Charged to the loss (its scale; the loss ran even without gradients) and to the
+        # optimizers of this block (their skip).
+        entry.found_inf = block if entry.found_inf is None else entry.found_inf + block
+        for opt in opts:
+            seen = self._block_found.get(id(opt))
+            self._block_found[id(opt)] = block if seen is None else seen + block
         for p in params:
             old = stash.get(id(p))
             if old is not None:
@@ -411,10 +424,10 @@ class GradScaler:
                 f"`with scaler.scaled(loss, optimizer, loss_id=i) as s: s.backward()`."
             )
         found = torch.zeros((), dtype=torch.float32, device=main)
-        if id(optimizer) in self._already_unscaled:  # every loss block unscaled its share
-            for loss in self._losses or ():
-                if loss.found_inf is not None:
-                    found = found + loss.found_inf
+        if id(optimizer) in self._already_unscaled:  # its scaled() blocks unscaled its grads
+            own = self._block_found.get(id(optimizer))
+            if own is not None:
+                found = found + own
         else:
             loss = self._ensure(main)[0]
             groups = group_grads(p for g in optimizer.param_groups for p in g["params"])
@@ -590,21 +603,25 @@ class GradScaler:
                     s.pending.wait()
                     s.pending = None
                 combined = combined + s.found_inf
+            # With several losses, a loss advances only in the iterations it ran in (a scaled()
+            # block), as Apex's per-loss scalers did: on the host, or on the device where the
+            # ranks must agree on it.
+            ran: list[bool | torch.Tensor] = [True] * self._num_losses
             if self._num_losses > 1:
-                self._agree_per_loss(combined)
+                ran = self._agree_per_loss(combined)
             # With a new scale, the counters and history still record the iteration; the
             # scale and trackers are set by hand (torch's update(new_scale) touches nothing
             # else either).
             config = self._config if new_scale is None else dataclasses.replace(
                 self._config, dynamic=False
             )  # fmt: skip
-            for loss in self._losses:
+            for loss, advance in zip(self._losses, ran, strict=True):
                 # With one loss, every overflow is its own; with several, each loss answers
                 # for the overflows of its own backward (its scaled() blocks).
                 own = combined if self._num_losses == 1 else (
                     loss.found_inf if loss.found_inf is not None else torch.zeros_like(combined)
                 )  # fmt: skip
-                self._replace(loss, update_scale(loss.state, own, config))
+                self._replace(loss, update_scale(loss.state, own, config, advance))
                 loss.found_inf = None
         if new_scale is not None:
             self._losses[0].state.scale.copy_(new_scale.reshape(()))
@@ -612,6 +629,7 @@ class GradScaler:
             loss.replicas.clear()
         self._per_optimizer.clear()
         self._already_unscaled.clear()
+        self._block_found.clear()
         self.note_update()
 
     def note_update(self, count: int = 1) -> None:
@@ -647,18 +665,27 @@ class GradScaler:
 
         return remove
 
-    def _agree_per_loss(self, like: torch.Tensor) -> None:
-        # Each loss's overflows must be the same on every rank, or per-loss scales drift apart.
+    def _agree_per_loss(self, like: torch.Tensor) -> list[bool | torch.Tensor]:
+        """Which losses ran this iteration (host bools; device flags agreed across ranks)."""
+        # Each loss's overflows, and whether it ran, must be the same on every rank, or
+        # per-loss scales drift apart: one MAX all-reduce of both, when distributed.
         assert self._losses is not None
+        ran = [loss.found_inf is not None for loss in self._losses]
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()):
+            return list(ran)
         found = torch.stack([
             loss.found_inf if loss.found_inf is not None else torch.zeros_like(like)
             for loss in self._losses
         ])  # fmt: skip
-        work = self._all_reduce(found)
+        flags = torch.tensor(ran, dtype=found.dtype).to(found.device, non_blocking=True)
+        both = torch.stack([found, flags])
+        work = self._all_reduce(both)
         if work is not None:
             work.wait()
         for i, loss in enumerate(self._losses):
-            loss.found_inf = found[i]
+            loss.found_inf = both[0, i]
+        return [both[1, i] > 0 for i in range(len(self._losses))]
 
     @staticmethod
     def _replace(loss: _Loss, new: ScaleState) -> None:
@@ -830,3 +857,4 @@ class GradScaler:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self.__dict__.setdefault("_block_found", {})  # pickled by an earlier mixprec

@@ -21,6 +21,12 @@ overflows and can never grow again. Hysteresis follows Megatron-LM (back off onl
 after ``hysteresis`` overflowing steps; reset on growth) and DeepSpeed's consecutive variant
 (reset on every clean step). A static scale (``dynamic=False``) never changes; overflowing steps
 are still skipped.
+
+With several losses (Apex's ``num_losses``) each loss has its own state, and an update of a
+loss that did not run in the iteration (``advance=False``) records the iteration (``steps``,
+``history``) but leaves its scale and trackers alone: as Apex, whose per-loss scaler moved only
+when that loss's ``scale_loss`` block ran, a loss used every k-th iteration grows its scale
+after ``growth_interval`` of *its* iterations, not k times sooner.
 """
 
 from __future__ import annotations
@@ -213,13 +219,22 @@ def init_state(
     )
 
 
-def update_scale(state: ScaleState, found_inf: torch.Tensor, config: ScaleConfig) -> ScaleState:
+def update_scale(
+    state: ScaleState,
+    found_inf: torch.Tensor,
+    config: ScaleConfig,
+    advance: bool | torch.Tensor = True,
+) -> ScaleState:
     """The state after one step that saw `found_inf` non-finite gradients. Pure and sync-free.
 
     Args:
         state: the current state (not modified).
         found_inf: a 0-dim tensor on the state's device; any non-zero value means overflow.
         config: the growth/backoff rule.
+        advance: whether the loss ran in this iteration (a bool, or a 0-dim bool tensor on the
+            state's device, decided there without a sync). False records the iteration and
+            keeps the scale and the trackers: a loss that did not run neither grows nor backs
+            off (give it a zero `found_inf`).
 
     Returns:
         A new `ScaleState` (new tensors; `history` is a new tensor too).
@@ -237,7 +252,7 @@ def update_scale(state: ScaleState, found_inf: torch.Tensor, config: ScaleConfig
     skipped = state.skipped + overflow.to(state.skipped.dtype)
     last_skip = torch.where(overflow, state.steps, state.last_skip)
 
-    if not config.dynamic:
+    if advance is False or not config.dynamic:
         return ScaleState(
             state.scale.clone(), state.growth_tracker.clone(), state.hysteresis_tracker.clone(),
             steps, skipped, last_skip, history,
@@ -266,10 +281,17 @@ def update_scale(state: ScaleState, found_inf: torch.Tensor, config: ScaleConfig
     else:
         hyst_on_clean = torch.where(grow, refill, state.hysteresis_tracker)
 
+    scale = torch.where(overflow, scale_on_overflow, scale_on_clean)
+    growth_tracker = torch.where(overflow, zero, tracker_on_clean)
+    hysteresis_tracker = torch.where(overflow, hyst_after, hyst_on_clean)
+    if isinstance(advance, torch.Tensor):  # decided on the device (per-loss agreement)
+        scale = torch.where(advance, scale, state.scale)
+        growth_tracker = torch.where(advance, growth_tracker, state.growth_tracker)
+        hysteresis_tracker = torch.where(advance, hysteresis_tracker, state.hysteresis_tracker)
     return ScaleState(
-        scale=torch.where(overflow, scale_on_overflow, scale_on_clean),
-        growth_tracker=torch.where(overflow, zero, tracker_on_clean),
-        hysteresis_tracker=torch.where(overflow, hyst_after, hyst_on_clean),
+        scale=scale,
+        growth_tracker=growth_tracker,
+        hysteresis_tracker=hysteresis_tracker,
         steps=steps,
         skipped=skipped,
         last_skip=last_skip,

@@ -454,6 +454,7 @@ class TrainStep:
         if scaler is not None:
             scaler._per_optimizer.clear()
             scaler._already_unscaled.clear()
+            scaler._block_found.clear()
             for loss in scaler._losses or ():
                 loss.found_inf = None
                 loss.replicas.clear()
