@@ -190,7 +190,7 @@ def test_checkpoint_resume_equals_the_uninterrupted_run(tmp_path):
     trainer.save_checkpoint(path)
     state = torch.load(path, weights_only=False)
     assert "MixprecPrecision" in state  # the plugin's state (the scaler) ...
-    assert state["optimizer_states"][0]["format"] == "mixprec.AmpOptimizer/1"  # ... and masters
+    assert state["optimizer_states"][0]["format"] == "mixprec.AmpOptimizer/2"  # ... and masters
     resumed, trainer2 = _fit(plugin(), Module(bad={1}), ckpt=str(path), batch=48)
     assert first.losses + resumed.losses == full.losses
     assert trainer2.precision_plugin.scaler.get_scale() == SCALER["init_scale"] / 2

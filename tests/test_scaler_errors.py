@@ -221,8 +221,9 @@ def _fresh():
          "loss_scale='dynamc' is invalid: use 'dynamic' or a positive number (1.0 turns loss "
          "scaling off). Did you mean 'dynamic'?"),
         (("params",), {}, mixprec.PolicyError,
-         "optimizers must be torch.optim.Optimizer instances, factories or None; got generator "
-         "(parameters or a model, not an optimizer: build one, e.g. "
+         "optimizers must be torch.optim.Optimizer instances, objects used as optimizers (with "
+         "param_groups, state, step and zero_grad, such as Apex's LARC), factories or None; got "
+         "generator (parameters or a model, not an optimizer: build one, e.g. "
          "torch.optim.AdamW(model.parameters(), lr=1e-3))."),
     ],
 )  # fmt: skip
@@ -270,14 +271,11 @@ def test_amp_optimizer_load_errors_point_at_the_right_object():
     cases = [
         (opt.scaler.state_dict(),
          "not an AmpOptimizer state dict (format 'mixprec.GradScaler/1', expected "
-         "'mixprec.AmpOptimizer/1'): it is a GradScaler's; load it with "
+         "'mixprec.AmpOptimizer/2'): it is a GradScaler's; load it with "
          "optimizer.scaler.load_state_dict(...)."),
         (torch.amp.GradScaler("cpu").state_dict(),
-         "not an AmpOptimizer state dict (format None, expected 'mixprec.AmpOptimizer/1'): it "
+         "not an AmpOptimizer state dict (format None, expected 'mixprec.AmpOptimizer/2'): it "
          "is a GradScaler's; load it with optimizer.scaler.load_state_dict(...)."),
-        (opt.optimizer.state_dict(),
-         "not an AmpOptimizer state dict (format None, expected 'mixprec.AmpOptimizer/1'): it "
-         "is a plain optimizer's; load it with optimizer.optimizer.load_state_dict(...)."),
         ({**good, "scaler": {"scale": 4.0}},
          "state_dict['scaler'] is refused: the state dict lacks ['growth_factor', "
          "'backoff_factor', 'growth_interval', '_growth_tracker']; a GradScaler state dict "

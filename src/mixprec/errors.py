@@ -11,11 +11,13 @@ import difflib
 from collections.abc import Iterable, Mapping
 
 __all__ = [
+    "ArgumentTypeError",
     "AutocastError",
     "BannedOpError",
     "DeviceTypeError",
     "MixprecError",
     "PolicyError",
+    "UsageError",
     "format_options",
     "unknown_value",
 ]
@@ -27,6 +29,22 @@ class MixprecError(Exception):
 
 class PolicyError(MixprecError, ValueError):
     """A policy, an op name, a category, a dtype or a device type is not valid."""
+
+
+class ArgumentTypeError(PolicyError, TypeError):
+    """An argument of the wrong type, or an unknown keyword argument.
+
+    Also a TypeError: what Python raises for an unknown keyword, and what Apex's ``initialize``
+    raised for models or optimizers of the wrong type, so ``except TypeError`` keeps working.
+    """
+
+
+class UsageError(PolicyError, RuntimeError):
+    """A call or a combination of options that cannot work (an unknown opt level, options that
+    contradict each other, an optimizer initialized twice or never).
+
+    Also a RuntimeError: what Apex raised for these, so ``except RuntimeError`` keeps working.
+    """
 
 
 class AutocastError(MixprecError, RuntimeError):
@@ -42,8 +60,11 @@ class DeviceTypeError(PolicyError, RuntimeError):
     """
 
 
-class BannedOpError(MixprecError, RuntimeError):
-    """An op the policy marks as unsafe to autocast was called inside an autocast region."""
+class BannedOpError(MixprecError, NotImplementedError):
+    """An op the policy marks as unsafe to autocast was called inside an autocast region.
+
+    A NotImplementedError, as Apex raised for these ops, and so a RuntimeError, as torch raises.
+    """
 
 
 def format_options(options: Iterable[object]) -> str:

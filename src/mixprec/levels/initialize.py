@@ -21,16 +21,25 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.errors import MixprecError, PolicyError
+from mixprec.errors import ArgumentTypeError, PolicyError, UsageError
 from mixprec.fp8.convert import fp8_layers, to_fp8
 from mixprec.levels.model import AmpHooks, cast_model
-from mixprec.levels.optimizer import AmpOptimizer, LossScaling, build_inner
+from mixprec.levels.model_state import MasterMap, register_state_hooks
+from mixprec.levels.optimizer import (
+    LOW_PRECISION,
+    AmpOptimizer,
+    LossScaling,
+    build_inner,
+    optimizer_like,
+    rebuild_wrapper,
+)
 from mixprec.levels.presets import AmpOptions, OptLevel, resolve
 from mixprec.scaling.scaler import GradScaler
 
 __all__ = ["initialize", "master_params", "scale_loss"]
 
 OptimizerLike = torch.optim.Optimizer | Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+_VERBOSITY = (0, 1, 2)
 
 
 def _device_type(models: Sequence[nn.Module]) -> str:
@@ -51,6 +60,8 @@ def initialize(
     opt_level: str | OptLevel = "O1",
     *,
     dtype: str | torch.dtype | None = None,
+    enabled: bool = True,
+    verbosity: int = 0,
     **overrides: Any,
 ) -> Any:
     """Prepare models and optimizers for an opt level; return them like Apex's ``initialize``.
@@ -60,8 +71,15 @@ def initialize(
             (weights cast for O2/O3, hooks added) and returned.
         optimizers: an optimizer, a list, a factory ``params -> optimizer`` (needed for O2 with
             optimizers whose class cannot be rebuilt from ``defaults``), or None for inference.
+            An object that wraps an optimizer and exposes ``param_groups``, ``state``, ``step``
+            and ``zero_grad`` (Apex's LARC) is taken as one; for O2 it is copied around a
+            rebuilt inner optimizer (the object passed in is left alone).
         opt_level: ``'O0'``, ``'O1'``, ``'O2'`` or ``'O3'``; ``mixprec.describe(level)`` explains.
         dtype: the low dtype; default fp16 on CUDA, bf16 on CPU.
+        enabled: False is Apex's off switch: the level becomes O0 and the overrides are ignored
+            (the objects still come back wrapped, so ``scale_loss`` works unchanged).
+        verbosity: 1 or 2 print the resolved options (Apex printed them by default; mixprec's
+            default, 0, prints nothing: ``mixprec.describe`` shows the same, with reasons).
         overrides: Apex's option names (``cast_model_type``, ``keep_batchnorm_fp32``,
             ``master_weights``, ``loss_scale``, ``min_loss_scale``, ``max_loss_scale``,
             ``cast_model_outputs``, ``patch_torch_functions``) plus ``num_losses``,
@@ -79,7 +97,10 @@ def initialize(
     are the masters) is added here. See docs/distributed.md.
 
     Raises:
-        PolicyError: an unknown level or option, or options that contradict each other.
+        PolicyError: an unknown level or option, or options that contradict each other. As
+            Apex: for an unknown level, a conflict, or an optimizer given twice it is also a
+            RuntimeError (`UsageError`); for arguments of the wrong type or unknown keywords
+            also a TypeError (`ArgumentTypeError`).
         MixprecError: a model initialized twice, or an optimizer that cannot be rebuilt.
         DistributedError: a DDP or FSDP2 model in an order of wrapping that cannot work (the
             message gives the order that does).
@@ -88,7 +109,13 @@ def initialize(
 
     model_list = list(models) if isinstance(models, (list, tuple)) else [models]
     if not model_list or not all(isinstance(m, nn.Module) for m in model_list):
-        raise PolicyError("initialize expects an nn.Module or a list of them as `models`.")
+        raise ArgumentTypeError("initialize expects an nn.Module or a list of them as `models`.")
+    if not isinstance(enabled, bool):
+        raise ArgumentTypeError(f"enabled={enabled!r} must be True or False.")
+    if verbosity not in _VERBOSITY or isinstance(verbosity, bool):
+        raise ArgumentTypeError(f"verbosity={verbosity!r} must be 0, 1 or 2.")
+    if not enabled:  # Apex: every amp call a no-op, whatever else was passed
+        opt_level, overrides = "O0", {}
     options = resolve(opt_level, device_type=_device_type(model_list), dtype=dtype, **overrides)
     kinds = [
         wrapping.model_kind(model, options, overrides, optimizers is not None)
@@ -106,8 +133,12 @@ def initialize(
     if optimizers is not None:
         for opt in opt_list:
             _check_optimizer_arg(opt)
+        _check_unscalable(model_list, options)
     scaler = _make_scaler(options) if optimizers is not None else None
+    if verbosity and _is_rank0():
+        print(options)
     masters: dict[int, torch.Tensor] = {}
+    master_map = MasterMap()  # what the cast models' state dicts read and loads write
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (low-precision weight, its master)
     fp8: list[Any] = []  # the models' FP8 layers (fp8_update runs after each optimizer step)
     for i, (model, kind) in enumerate(zip(model_list, kinds, strict=True)):
@@ -118,7 +149,7 @@ def initialize(
             if converted is not model:  # the model was one nn.Linear: return its replacement
                 model_list[i] = model = converted
             fp8 += [layer for _, layer in fp8_layers(model)]
-        pairs += _prepare_model(model, options, masters)
+        pairs += _prepare_model(model, options, masters, master_map)
 
     if isinstance(models, (list, tuple)) and any(
         a is not b for a, b in zip(models, model_list, strict=True)
@@ -135,7 +166,7 @@ def initialize(
         # An FP8 layer advances with the optimizer that steps its weight (or its master).
         layers = [f for f in fp8 if id(masters.get(id(f.weight), f.weight)) in mine]
         lows, ms = [lo for lo, _ in own], [m for _, m in own]
-        wrapped.append(AmpOptimizer(inner, options, scaling, lows, ms, layers))
+        wrapped.append(AmpOptimizer(inner, options, scaling, lows, ms, layers, master_map))
     for model, kind in zip(model_list, kinds, strict=True):
         if kind == "sharded":
             wrapping.find_hooks(model).optimized = True
@@ -146,9 +177,38 @@ def initialize(
     return out_models, out_opts
 
 
+def _is_rank0() -> bool:
+    dist = torch.distributed
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def _check_unscalable(models: list[nn.Module], options: AmpOptions) -> None:
+    """Refuse fp16 weights whose gradients a loss scaler would have to unscale in fp16."""
+    if not options.uses_scaler or options.master_weights:
+        return
+    low_model = options.cast_model_type not in (None, torch.float32)
+    for model in models:
+        for name, p in model.named_parameters():
+            if p.requires_grad and p.dtype == torch.float16 and not low_model:
+                raise UsageError(
+                    f"{options.level.value} scales the loss, but parameter {name!r} of "
+                    f"{type(model).__name__} is fp16: its gradients would have to be unscaled "
+                    f"in fp16, where their small values underflow (torch.amp's GradScaler "
+                    f"refuses them too; Apex refused fp16 parameters in initialize). Pass an "
+                    f"fp32 model (O1 casts per op), or keep fp32 master weights for the fp16 "
+                    f"parameters: opt_level='O2' with cast_model_type=False keeps the model's "
+                    f"dtypes as they are."
+                )
+
+
 def _prepare_model(
-    model: nn.Module, options: AmpOptions, masters: dict[int, torch.Tensor]
+    model: nn.Module,
+    options: AmpOptions,
+    masters: dict[int, torch.Tensor],
+    master_map: MasterMap | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    if master_map is None:  # a caller with its own bookkeeping (mixprec.integrations)
+        master_map = MasterMap()
     low = options.dtype
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
     if options.master_weights:
@@ -166,14 +226,15 @@ def _prepare_model(
             m = masters.get(id(p))
             if m is None:
                 continue
-            if p.dtype == torch.float32:  # kept in fp32 (a norm layer): its own master
+            if p.dtype not in LOW_PRECISION:  # fp32 (a norm layer; an uncast model): its own
                 masters[id(p)] = p
             else:
                 m.requires_grad_(p.requires_grad)
                 pairs.append((p, m))
+                master_map.add(p, m)
     low_model = model_type is not None and model_type != torch.float32
     region = (options.device_type, low, options.policy) if options.patch_torch_functions else None
-    AmpHooks(
+    hooks = AmpHooks(
         model,
         input_dtype=model_type if low_model else None,
         output_dtype=options.cast_model_outputs,
@@ -181,6 +242,8 @@ def _prepare_model(
         fp32_norms=fp32_norms,
         low=low,
     )
+    if low_model:  # checkpoints stay fp32, as Apex's did (mixprec.levels.model_state)
+        hooks.add_handles(register_state_hooks(model, model_type, master_map))
     return pairs
 
 
@@ -189,13 +252,16 @@ def _inner_optimizer(
 ) -> torch.optim.Optimizer:
     if isinstance(opt, torch.optim.Optimizer):
         return build_inner(opt, masters) if masters else opt
+    if optimizer_like(opt):  # a wrapper such as Apex's LARC
+        return rebuild_wrapper(opt, masters) if masters else opt
     if callable(opt):  # a factory: give it the masters (or the model's parameters)
         params = [masters.get(id(p), p) for m in models for p in m.parameters()]
         inner = opt(params)
-        if not isinstance(inner, torch.optim.Optimizer):
-            raise PolicyError(
+        if not optimizer_like(inner):
+            raise ArgumentTypeError(
                 f"the optimizer factory returned {type(inner).__name__}, not a "
-                f"torch.optim.Optimizer."
+                f"torch.optim.Optimizer (or an object with param_groups, state, step and "
+                f"zero_grad)."
             )
         return inner
     raise AssertionError("unreachable: _check_optimizer_arg accepted it")  # pragma: no cover
@@ -203,16 +269,20 @@ def _inner_optimizer(
 
 def _check_optimizer_arg(opt: Any) -> None:
     if isinstance(opt, AmpOptimizer):
-        raise MixprecError("this optimizer was already returned by mixprec.initialize.")
-    if isinstance(opt, torch.optim.Optimizer) or (callable(opt) and not isinstance(opt, nn.Module)):
+        raise UsageError(
+            "this optimizer was already returned by mixprec.initialize; pass each optimizer "
+            "through initialize once (Apex refused this too)."
+        )
+    if optimizer_like(opt) or (callable(opt) and not isinstance(opt, nn.Module)):
         return
     hint = ""
     if isinstance(opt, (Iterator, nn.Module)):
         hint = (" (parameters or a model, not an optimizer: build one, e.g. "
                 "torch.optim.AdamW(model.parameters(), lr=1e-3))")  # fmt: skip
-    raise PolicyError(
-        f"optimizers must be torch.optim.Optimizer instances, factories or None; got "
-        f"{type(opt).__name__}{hint}."
+    raise ArgumentTypeError(
+        f"optimizers must be torch.optim.Optimizer instances, objects used as optimizers "
+        f"(with param_groups, state, step and zero_grad, such as Apex's LARC), factories or "
+        f"None; got {type(opt).__name__}{hint}."
     )
 
 
@@ -245,17 +315,20 @@ def scale_loss(
     """
     opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
     if not opts or not all(isinstance(o, AmpOptimizer) for o in opts):
-        raise PolicyError(
+        # A RuntimeError too, as Apex's scale_loss raised before initialize.
+        raise UsageError(
             "scale_loss expects the optimizer(s) returned by mixprec.initialize (AmpOptimizer)."
         )
     scaling = opts[0]._scaling
     if any(o._scaling is not scaling for o in opts):
-        raise PolicyError(
+        raise UsageError(
             "scale_loss got optimizers from different mixprec.initialize calls; pass the "
             "optimizers of one call (they share one loss scaler)."
         )
     scaling.flush()  # the previous iteration's deferred scale update
     scaling.scaled = True
+    for o in opts:
+        o._start_backward()
     scaler = scaling.scaler
     if scaler is None:
         yield loss
@@ -272,8 +345,13 @@ def master_params(optimizer: AmpOptimizer) -> Iterator[torch.Tensor]:
     """The tensors `optimizer` steps: fp32 masters in O2, the model's weights otherwise.
 
     Clip these (``torch.nn.utils.clip_grad_norm_(mixprec.master_params(opt), 1.0)``) after
-    ``scale_loss`` and before ``step``.
+    ``scale_loss`` and before ``step``. Any optimizer is accepted, as Apex did: one that
+    ``initialize`` did not return steps its own parameters.
     """
-    if not isinstance(optimizer, AmpOptimizer):
-        raise PolicyError("master_params expects an optimizer returned by mixprec.initialize.")
-    yield from optimizer.master_params()
+    if not optimizer_like(optimizer):
+        raise ArgumentTypeError(
+            f"master_params expects an optimizer (one returned by mixprec.initialize), got "
+            f"{type(optimizer).__name__}."
+        )
+    for group in optimizer.param_groups:
+        yield from group["params"]

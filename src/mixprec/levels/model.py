@@ -133,6 +133,11 @@ class AmpHooks:
             return cast_floats(output, self.output_dtype)
         return None
 
+    def add_handles(self, handles: list[Any]) -> None:
+        """Own more hook handles (the state-dict hooks of `mixprec.levels.model_state`), so that
+        ``remove()`` takes them off too."""
+        self._handles += handles
+
     def remove(self) -> None:
         """Take every hook off the model and its layers."""
         for handle in self._handles:

@@ -18,6 +18,21 @@ The O2 step, and what it costs:
 The wrapper subclasses ``torch.optim.Optimizer`` so that LR schedulers accept it; its
 ``param_groups`` and ``state`` *are* the inner optimizer's, so schedulers and
 ``clip_grad_norm_`` act on what is stepped (the masters, in O2).
+
+Apex compatibility (its semantics, kept where Apex users relied on them):
+
+- an object that wraps an optimizer and exposes ``param_groups``, ``state``, ``step`` and
+  ``zero_grad`` (Apex's LARC) is accepted as the inner optimizer; for O2 it is copied around an
+  inner optimizer rebuilt over the masters (`rebuild_wrapper`);
+- ``add_param_group`` gives new low-precision parameters fp32 masters, as Apex's patched
+  ``add_param_group`` did;
+- the masters' gradients belong to one step: the first ``scale_loss`` after a step drops them
+  (Apex dropped them in ``step``), so zeroing the *model's* gradients (``model.zero_grad()``,
+  ``p.grad = None``) is enough between iterations, as under Apex;
+- ``state_dict()`` is a plain optimizer state dict (``state``, ``param_groups``) with mixprec's
+  entries beside it, so a plain optimizer built over the model's parameters loads it before
+  ``initialize`` (Apex's checkpoints allowed either order); ``load_state_dict`` also takes a
+  plain optimizer's state dict (an Apex checkpoint's), leaving masters and scaler as they are.
 """
 
 from __future__ import annotations
@@ -28,15 +43,30 @@ from typing import Any
 
 import torch
 
-from mixprec.errors import MixprecError
+from mixprec.errors import ArgumentTypeError, MixprecError, UsageError
 from mixprec.fp8.convert import fp8_update
+from mixprec.levels.model_state import MasterMap
 from mixprec.levels.presets import AmpOptions
 from mixprec.scaling import checkpoint
 from mixprec.scaling.scaler import GradScaler, ScalerStateError
 
-__all__ = ["AmpOptimizer", "LossScaling", "build_inner", "constructor_defaults"]
+__all__ = [
+    "LOW_PRECISION",
+    "AmpOptimizer",
+    "LossScaling",
+    "build_inner",
+    "constructor_defaults",
+    "optimizer_like",
+    "rebuild_wrapper",
+]
 
-FORMAT = "mixprec.AmpOptimizer/1"
+FORMAT = "mixprec.AmpOptimizer/2"
+#: The format before the optimizer's own entries moved to the top level (still loaded).
+FORMAT_V1 = "mixprec.AmpOptimizer/1"
+#: mixprec's entries beside the inner optimizer's in a state dict.
+_OURS = ("format", "opt_level", "masters", "scaler")
+#: Parameter dtypes that get fp32 masters.
+LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 class AmpCheckpointError(MixprecError, ValueError):
@@ -53,9 +83,6 @@ def _not_ours(state_dict: Any) -> str:
         return f"{head}: it is a GradScaler's; load it with optimizer.scaler.load_state_dict(...)."
     if fmt == "mixprec.TrainStep/1":
         return f"{head}: it is a TrainStep's; load it with step.load_state_dict(...)."
-    if "state" in state_dict and "param_groups" in state_dict:
-        return (f"{head}: it is a plain optimizer's; load it with "
-                f"optimizer.optimizer.load_state_dict(...).")  # fmt: skip
     return f"{head}; save it with AmpOptimizer.state_dict()."
 
 
@@ -95,6 +122,44 @@ def constructor_defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     accepted = inspect.signature(type(optimizer).__init__).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
     return {k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted}
+
+
+def optimizer_like(obj: Any) -> bool:
+    """A torch optimizer, or an object used as one: it exposes ``param_groups``, ``state``,
+    ``step`` and ``zero_grad`` (Apex's LARC, which wraps an optimizer, does)."""
+    if isinstance(obj, torch.optim.Optimizer):
+        return True
+    if isinstance(obj, (torch.nn.Module, torch.Tensor)) or not hasattr(obj, "param_groups"):
+        return False
+    return hasattr(obj, "state") and all(
+        callable(getattr(obj, name, None)) for name in ("step", "zero_grad")
+    )
+
+
+def rebuild_wrapper(wrapper: Any, masters: dict[int, torch.Tensor]) -> Any:
+    """A copy of an optimizer wrapper (LARC) around its inner optimizer rebuilt over `masters`.
+
+    The wrapper must hold exactly one torch optimizer among its attributes; the copy shares its
+    other attributes and is made without calling its constructor. The wrapper passed in is left
+    alone (as `build_inner` leaves an optimizer alone).
+
+    Raises:
+        MixprecError: the wrapped optimizer cannot be found: pass a factory instead.
+    """
+    fields = getattr(wrapper, "__dict__", None)
+    inner = [k for k, v in (fields or {}).items() if isinstance(v, torch.optim.Optimizer)]
+    name = type(wrapper).__name__
+    if len(inner) != 1:
+        raise MixprecError(
+            f"cannot rebuild {name} over fp32 master weights: it does not hold exactly one "
+            f"torch optimizer in its attributes (found {len(inner)}). Pass a factory instead: "
+            f"mixprec.initialize(model, lambda params: {name}(torch.optim.SGD(params, ...)), "
+            f"opt_level='O2')."
+        )
+    copy = object.__new__(type(wrapper))
+    copy.__dict__.update(fields)
+    copy.__dict__[inner[0]] = build_inner(fields[inner[0]], masters)
+    return copy
 
 
 def build_inner(
@@ -142,6 +207,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         low_params: list[torch.Tensor],
         masters: list[torch.Tensor],
         fp8_layers: list[Any] | None = None,
+        master_map: MasterMap | None = None,
     ) -> None:
         # Initialize Optimizer's bookkeeping (hooks, profiling names) on a placeholder, then
         # share the inner optimizer's groups, state and defaults (properties below: the inner
@@ -153,6 +219,13 @@ class AmpOptimizer(torch.optim.Optimizer):
         self._low = low_params  # model weights in the low dtype ...
         self._masters = masters  # ... and their fp32 masters, index for index
         self._fp8 = list(fp8_layers or ())  # FP8 layers whose scales advance with this step
+        self._master_map = master_map if master_map is not None else MasterMap()
+        self._stepped = False  # a step consumed the masters' gradients; zero_grad resets it
+        # Wrappers such as Apex's LARC define zero_grad() without torch's set_to_none.
+        params = inspect.signature(inner.zero_grad).parameters
+        self._zero_grad_flag = "set_to_none" in params or any(
+            p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()
+        )
 
     # The inner optimizer's, always (torch's Optimizer.__init__ assigns placeholders first).
     def _shared(name: str) -> property:
@@ -202,6 +275,57 @@ class AmpOptimizer(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- the step
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group to the inner optimizer; in O2 its low-precision parameters get fp32
+        masters (as Apex's patched ``add_param_group`` did), fp32 ones are their own."""
+        if "optimizer" not in self.__dict__:  # torch's Optimizer.__init__: the placeholder
+            super().add_param_group(param_group)
+            return
+        if not isinstance(param_group, dict):
+            raise ArgumentTypeError(
+                f"param_group must be a dict, got {type(param_group).__name__}."
+            )
+        group = dict(param_group)
+        params = group.get("params")
+        if isinstance(params, set):
+            raise ArgumentTypeError(
+                "a param group's params must be an ordered collection (a list), not a set: a "
+                "set's order changes between runs, and the optimizer state is saved by order."
+            )
+        params = [params] if isinstance(params, torch.Tensor) else list(params or ())
+        # torch's own check cannot see a weight whose master is already stepped here.
+        present = {id(t) for g in self.param_groups for t in g["params"]}
+        present |= {id(t) for t in self._low}
+        if any(id(p) in present for p in params):
+            raise UsageError(
+                "some parameters appear in more than one parameter group (or are already "
+                "stepped by this optimizer through their fp32 master); add each parameter once."
+            )
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if self.options.master_weights:
+            stepped = []
+            for p in params:
+                if isinstance(p, torch.Tensor) and p.dtype in LOW_PRECISION:
+                    master = p.detach().clone().float().requires_grad_(p.requires_grad)
+                    pairs.append((p, master))
+                    stepped.append(master)
+                else:
+                    stepped.append(p)
+            params = stepped
+        group["params"] = params
+        self.optimizer.add_param_group(group)  # validates (duplicates, types) before we commit
+        for low, master in pairs:
+            self._low.append(low)
+            self._masters.append(master)
+            self._master_map.add(low, master)
+
+    def _start_backward(self) -> None:
+        """``scale_loss`` entry: the first after a step drops the masters' stale gradients."""
+        if self._stepped:
+            self._stepped = False
+            for master in self._masters:
+                master.grad = None
+
     def _after_backward(self) -> None:
         """Move the model's low-precision gradients into the fp32 masters (O2)."""
         with torch.no_grad():
@@ -216,9 +340,13 @@ class AmpOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of the masters and of the model's weights."""
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+        if self._zero_grad_flag:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+        else:
+            self.optimizer.zero_grad()
         for low in self._low:
             low.grad = None
+        self._stepped = False
 
     def step(self, closure: Any = None, **kwargs: Any) -> Any:  # type: ignore[override]
         """Step the inner optimizer (on the masters in O2); skipped on the device on overflow.
@@ -263,25 +391,49 @@ class AmpOptimizer(torch.optim.Optimizer):
                 torch._foreach_copy_(self._low, self._masters)
         if self._scaling.eager_update:
             self._scaling.flush()
+        self._stepped = True
         return result
 
     # ----------------------------------------------------------------- checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        """Inner optimizer, fp32 masters and scaler, in one dict. Synchronises (reads the scale)."""
+        """Inner optimizer, fp32 masters and scaler, in one dict. Synchronises (reads the scale).
+
+        The inner optimizer's entries (``state``, ``param_groups``) are at the top level, as in
+        any optimizer's state dict, so a plain optimizer over the model's parameters loads this
+        dict too (before ``initialize``, which then carries its state over); mixprec's entries
+        (``format``, ``opt_level``, ``masters``, ``scaler``) sit beside them.
+        """
         self._scaling.flush()
-        return {
+        out = dict(self.optimizer.state_dict())
+        out.update({
             "format": FORMAT,
             "opt_level": self.options.level.value,
-            "optimizer": self.optimizer.state_dict(),
             "masters": [m.detach().clone() for m in self._masters],
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-        }
+        })  # fmt: skip
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load what ``state_dict`` wrote; everything is checked before anything changes."""
-        if not isinstance(state_dict, dict) or state_dict.get("format") != FORMAT:
+        """Load what ``state_dict`` wrote; everything is checked before anything changes.
+
+        Also takes a plain optimizer's state dict (one without mixprec's entries, such as an
+        Apex checkpoint's ``'optimizer'``): it goes to the inner optimizer, and the masters and
+        the scaler stay as they are (the masters follow ``model.load_state_dict``; load an
+        Apex ``'amp'`` entry with ``optimizer.scaler.load_state_dict``).
+        """
+        if _plain(state_dict):
+            self._scaling.flush()
+            self._load_inner(state_dict)
+            self._scaling.pending = False
+            return
+        fmt = state_dict.get("format") if isinstance(state_dict, dict) else None
+        if fmt not in (FORMAT, FORMAT_V1):
             raise AmpCheckpointError(_not_ours(state_dict))
+        if fmt == FORMAT_V1:
+            inner_sd = state_dict.get("optimizer")
+        else:
+            inner_sd = {k: v for k, v in state_dict.items() if k not in _OURS}
         if state_dict.get("opt_level") != self.options.level.value:
             raise AmpCheckpointError(
                 f"the state dict was saved at opt level {state_dict.get('opt_level')!r}, this "
@@ -314,12 +466,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         # Everything checked. A step whose scale update is still deferred belongs to the old
         # run: finish it, so the scaler is between iterations when its state is replaced.
         self._scaling.flush()
-        snapshot = self.optimizer.state_dict()
-        try:
-            self.optimizer.load_state_dict(state_dict["optimizer"])
-        except (ValueError, KeyError, TypeError) as err:
-            self.optimizer.load_state_dict(snapshot)
-            raise AmpCheckpointError(f"the inner optimizer refused its state: {err}") from err
+        self._load_inner(inner_sd)
         with torch.no_grad():
             for dst, src in zip(self._masters, masters, strict=True):
                 dst.copy_(src)
@@ -328,3 +475,22 @@ class AmpOptimizer(torch.optim.Optimizer):
         if self.scaler is not None:
             self.scaler.load_state_dict(scaler_sd)
         self._scaling.pending = False
+
+    def _load_inner(self, state_dict: Any) -> None:
+        """Load the inner optimizer's state; on refusal put the old state back and raise."""
+        snapshot = self.optimizer.state_dict()
+        try:
+            self.optimizer.load_state_dict(state_dict)
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            self.optimizer.load_state_dict(snapshot)
+            raise AmpCheckpointError(f"the inner optimizer refused its state: {err}") from err
+
+
+def _plain(state_dict: Any) -> bool:
+    """A plain optimizer's state dict: torch's two entries and no ``format`` of ours."""
+    return (
+        isinstance(state_dict, dict)
+        and "format" not in state_dict
+        and "state" in state_dict
+        and "param_groups" in state_dict
+    )

@@ -19,7 +19,13 @@ from typing import Any
 import torch
 
 from mixprec.dtypes import dtype_name, parse_device_type, parse_dtype, resolve_dtype
-from mixprec.errors import PolicyError, format_options, unknown_value
+from mixprec.errors import (
+    ArgumentTypeError,
+    PolicyError,
+    UsageError,
+    format_options,
+    unknown_value,
+)
 from mixprec.fp8.recipe import Fp8Recipe
 from mixprec.policy.policy import Policy, as_policy
 
@@ -45,7 +51,8 @@ class OptLevel(str, enum.Enum):
                 return cls[key]
             if key.startswith("0") and "O" + key[1:] in cls.__members__:  # '02' typed for 'O2'
                 return cls["O" + key[1:]]
-        raise PolicyError(
+        # A UsageError: a PolicyError, and a RuntimeError as Apex raised for an unknown level.
+        raise UsageError(
             unknown_value("opt level", value, [m.value for m in cls],
                           hint="Levels are the letter O and a digit: 'O0' ... 'O3'.")
         )  # fmt: skip
@@ -187,8 +194,12 @@ class AmpOptions:
         return "\n".join(lines)
 
 
+#: Apex's ceiling for the dynamic loss scale (its ``max_loss_scale`` default).
+APEX_MAX_LOSS_SCALE = 2.0**24
+
+
 def _parse_model_type(value: Any, low: torch.dtype) -> torch.dtype | None:
-    if value is None:
+    if value is None or value is False:  # False: Apex's "leave the model's dtype alone"
         return None
     if value == "low":
         return low
@@ -211,8 +222,8 @@ def resolve(
     level = OptLevel.parse(opt_level)
     device_type = parse_device_type(device_type)
     unknown = sorted(set(overrides) - set(OVERRIDES))
-    if unknown:
-        raise PolicyError(unknown_value("initialize option", unknown[0], OVERRIDES))
+    if unknown:  # a TypeError too, as Python raises for Apex's unknown keyword arguments
+        raise ArgumentTypeError(unknown_value("initialize option", unknown[0], OVERRIDES))
     preset = PRESETS[level]
     choice = resolve_dtype(device_type, dtype)
     low = choice.dtype
@@ -256,9 +267,14 @@ def resolve(
         why_scale = "no master weights: the scaler cannot unscale low-precision gradients"
     loss_scale = pick("loss_scale", default_scale, why_scale)
     min_ls = pick("min_loss_scale", None, "no floor (a floor stops the scale collapsing)")
-    max_ls = pick("max_loss_scale", None, "no ceiling beyond fp32's range")
-    outputs = pick("cast_model_outputs", preset.cast_model_outputs,
-                   "losses are computed in fp32 on the model's outputs" if preset.cast_model_outputs
+    max_ls = pick("max_loss_scale", APEX_MAX_LOSS_SCALE if loss_scale == "dynamic" else None,
+                  "Apex's ceiling: a larger scale only risks more overflowing steps"
+                  if loss_scale == "dynamic" else "a static scale does not grow")  # fmt: skip
+    # Apex casts outputs only where it casts the model (or where the caller asks).
+    uncast = overrides.get("cast_model_type", "low") in (None, False)
+    outputs = pick("cast_model_outputs", None if uncast else preset.cast_model_outputs,
+                   "losses are computed in fp32 on the model's outputs"
+                   if preset.cast_model_outputs and not uncast
                    else "outputs stay in the dtype the model computed them in")  # fmt: skip
     num_losses = pick("num_losses", 1, "one loss, one scale")
     policy = as_policy(pick("policy", Policy(), "torch.autocast's op lists"), "the policy override")
@@ -338,7 +354,7 @@ def _check(level, low, model_type, patch, keep_bn, master, loss_scale, min_ls, m
         ):  # fmt: skip
             raise PolicyError(f"{name}={value!r} is invalid: use None or a finite number > 0.")
     if min_ls is not None and max_ls is not None and min_ls > max_ls:
-        raise PolicyError(
+        raise UsageError(
             f"min_loss_scale={min_ls!r} is above max_loss_scale={max_ls!r}: the floor must not "
             f"exceed the ceiling."
         )
@@ -353,17 +369,21 @@ def _check(level, low, model_type, patch, keep_bn, master, loss_scale, min_ls, m
     low_model = model_type is not None and model_type != torch.float32
     scaled = loss_scale == "dynamic" or float(loss_scale) != 1.0
     if low_model and not master and scaled:
-        raise PolicyError(
+        raise UsageError(
             f"{level.value}: a {dtype_name(low)} model without master weights cannot use loss "
             f"scaling (loss_scale={loss_scale!r}): its gradients are {dtype_name(low)}, and a "
             f"scaler can only unscale fp32 gradients without losing their small values. Use "
             f"opt_level='O2' (master_weights=True), or loss_scale=1.0."
         )
-    if master and not low_model:
-        raise PolicyError(
+    if master and not low_model and "cast_model_type" not in overrides:
+        # With cast_model_type=False/None given, masters are kept for the parameters that are
+        # low precision already (Apex's way for a model the caller cast); otherwise an fp32
+        # model has nothing to be the master of.
+        raise UsageError(
             f"{level.value}: master_weights=True needs a low-precision model to be the master "
             f"of (cast_model_type={dtype_name(low)!r}); with fp32 weights the master copies would "
-            f"duplicate them for nothing. Use opt_level='O2', or drop master_weights."
+            f"duplicate them for nothing. Use opt_level='O2', or drop master_weights (or pass "
+            f"cast_model_type=False for a model whose weights you cast yourself)."
         )
     if level is OptLevel.O1 and "cast_model_type" in overrides and low_model:
         warnings.warn(

@@ -541,7 +541,7 @@ def _model_device(model: nn.Module) -> torch.device:
 
 def _host_lr(state: dict[str, Any]) -> dict[str, Any]:
     # A device lr (set for capture) is saved as a float, so the checkpoint loads anywhere.
-    groups = state.get("optimizer", {}).get("param_groups", [])
+    groups = state.get("param_groups", [])
     for group in groups:
         if isinstance(group.get("lr"), torch.Tensor):
             group["lr"] = float(group["lr"])
