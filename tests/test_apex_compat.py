@@ -391,3 +391,26 @@ def test_an_overflow_skips_only_the_optimizers_of_its_block():
     after = [p.detach() for p in (*m0.parameters(), *m1.parameters())]
     assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])  # skipped
     assert not torch.equal(after[2], before[2])  # o1 stepped
+
+
+def test_a_wrapper_that_cannot_be_rebuilt_for_o2_is_refused_before_the_model_changes():
+    class TwoInner:  # wraps two optimizers: which one to rebuild over the masters is unknown
+        def __init__(self, params):
+            params = list(params)
+            self.a = torch.optim.SGD(params[:1], lr=0.1)
+            self.b = torch.optim.SGD(params[1:], lr=0.1)
+            self.param_groups = self.a.param_groups + self.b.param_groups
+            self.state = {}
+
+        def step(self):
+            self.a.step()
+            self.b.step()
+
+        def zero_grad(self):
+            self.a.zero_grad()
+            self.b.zero_grad()
+
+    model = nn.Linear(2, 2)
+    with pytest.raises(MixprecError, match="Pass a factory instead"):
+        mixprec.initialize(model, TwoInner(model.parameters()), "O2", dtype=FP16)
+    assert model.weight.dtype == torch.float32 and not model._forward_pre_hooks

@@ -32,6 +32,7 @@ from mixprec.levels.optimizer import (
     build_inner,
     optimizer_like,
     rebuild_wrapper,
+    wrapped_optimizer,
 )
 from mixprec.levels.presets import AmpOptions, OptLevel, resolve
 from mixprec.scaling.scaler import GradScaler
@@ -133,6 +134,8 @@ def initialize(
     if optimizers is not None:
         for opt in opt_list:
             _check_optimizer_arg(opt)
+            if options.master_weights and _is_wrapper(opt):
+                wrapped_optimizer(opt)  # rebuilt over the masters later: refuse it now
         _check_unscalable(model_list, options)
     scaler = _make_scaler(options) if optimizers is not None else None
     if verbosity and _is_rank0():
@@ -175,6 +178,10 @@ def initialize(
     out_models = models if isinstance(models, (list, tuple)) else model_list[0]
     out_opts = wrapped if isinstance(optimizers, (list, tuple)) else wrapped[0]
     return out_models, out_opts
+
+
+def _is_wrapper(opt: Any) -> bool:
+    return optimizer_like(opt) and not isinstance(opt, torch.optim.Optimizer)
 
 
 def _is_rank0() -> bool:

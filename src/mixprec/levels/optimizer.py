@@ -58,6 +58,7 @@ __all__ = [
     "constructor_defaults",
     "optimizer_like",
     "rebuild_wrapper",
+    "wrapped_optimizer",
 ]
 
 FORMAT = "mixprec.AmpOptimizer/2"
@@ -136,29 +137,37 @@ def optimizer_like(obj: Any) -> bool:
     )
 
 
-def rebuild_wrapper(wrapper: Any, masters: dict[int, torch.Tensor]) -> Any:
-    """A copy of an optimizer wrapper (LARC) around its inner optimizer rebuilt over `masters`.
-
-    The wrapper must hold exactly one torch optimizer among its attributes; the copy shares its
-    other attributes and is made without calling its constructor. The wrapper passed in is left
-    alone (as `build_inner` leaves an optimizer alone).
+def wrapped_optimizer(wrapper: Any) -> str:
+    """The attribute of an optimizer wrapper (LARC) that holds the torch optimizer it wraps.
 
     Raises:
-        MixprecError: the wrapped optimizer cannot be found: pass a factory instead.
+        MixprecError: the wrapper does not hold exactly one torch optimizer among its
+            attributes, so it cannot be rebuilt over master weights: pass a factory instead.
     """
-    fields = getattr(wrapper, "__dict__", None)
-    inner = [k for k, v in (fields or {}).items() if isinstance(v, torch.optim.Optimizer)]
-    name = type(wrapper).__name__
+    fields = getattr(wrapper, "__dict__", None) or {}
+    inner = [k for k, v in fields.items() if isinstance(v, torch.optim.Optimizer)]
     if len(inner) != 1:
+        name = type(wrapper).__name__
         raise MixprecError(
             f"cannot rebuild {name} over fp32 master weights: it does not hold exactly one "
             f"torch optimizer in its attributes (found {len(inner)}). Pass a factory instead: "
             f"mixprec.initialize(model, lambda params: {name}(torch.optim.SGD(params, ...)), "
             f"opt_level='O2')."
         )
+    return inner[0]
+
+
+def rebuild_wrapper(wrapper: Any, masters: dict[int, torch.Tensor]) -> Any:
+    """A copy of an optimizer wrapper (LARC) around its inner optimizer rebuilt over `masters`.
+
+    The wrapper must hold exactly one torch optimizer among its attributes (`wrapped_optimizer`);
+    the copy shares its other attributes and is made without calling its constructor. The
+    wrapper passed in is left alone (as `build_inner` leaves an optimizer alone).
+    """
+    name = wrapped_optimizer(wrapper)
     copy = object.__new__(type(wrapper))
-    copy.__dict__.update(fields)
-    copy.__dict__[inner[0]] = build_inner(fields[inner[0]], masters)
+    copy.__dict__.update(wrapper.__dict__)
+    copy.__dict__[name] = build_inner(wrapper.__dict__[name], masters)
     return copy
 
 
