@@ -101,7 +101,7 @@ class AmpHooks:
         # FSDP's fp32 shards are the masters); None when initialize did.
         self.sharded: Any = None
         self.optimized = False  # (sharded models) initialize already added the optimizer side
-        self._local = threading.local()  # per-thread stack of open regions (re-entrant calls)
+        self._local = _Regions()  # per-thread stack of open regions (re-entrant calls)
         self._handles = [
             model.register_forward_pre_hook(self._enter, with_kwargs=True),
             model.register_forward_hook(self._leave, with_kwargs=True, always_call=True),
@@ -118,15 +118,12 @@ class AmpHooks:
             device_type, dtype, policy = self.region
             region = autocast(device_type, dtype=dtype, policy=policy)
             region.__enter__()
-            stack = getattr(self._local, "stack", None)
-            if stack is None:
-                stack = self._local.stack = []
-            stack.append(region)
+            self._local.stack.append(region)
         return args, kwargs
 
     def _leave(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         if self.region is not None:
-            stack = getattr(self._local, "stack", None)
+            stack = self._local.stack
             if stack:
                 stack.pop().__exit__(None, None, None)
         if self.output_dtype is not None and output is not None:
@@ -143,6 +140,15 @@ class AmpHooks:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+class _Regions(threading.local):
+    """A per-thread stack of open regions, present from the first access in every thread: a
+    stack created lazily would change what torch.compile's guards saw after the first call
+    (the O1 model's forward would be compiled twice)."""
+
+    def __init__(self) -> None:
+        self.stack: list[Any] = []
 
 
 def _to_fp32(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
