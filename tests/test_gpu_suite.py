@@ -135,6 +135,20 @@ def test_part_a_selects_every_cuda_test_module(smoke):
         assert f"tests.{path.stem}" in seen, f"{path.name} has no test marked gpu"
 
 
+def test_part_a_collects_the_whole_suite_on_a_gpu(tmp_path):
+    """On the GPU part a selects from every test module; the smoke run (above) only from those
+    that use the gpu mark, which are the same tests without importing the whole suite."""
+    part = next(p for p in gpu_suite.PARTS if p.name == "a-cuda-tests")
+    assert part.command(_cuda_ctx(tmp_path))[-1] == "tests"
+    from suite.parts import GPU_MARK
+
+    smoke = part.command(core.Context(True, "cpu", str(tmp_path), str(ROOT)))
+    files = [a for a in smoke if a.startswith("tests/")]
+    assert {f"tests/{p.name}" for p in (ROOT / "tests").glob("*_cuda.py")} <= set(files)
+    assert "tests/test_autocast_lists.py" in files  # its LSTM/GRU test is marked gpu
+    assert all(GPU_MARK.search((ROOT / f).read_text()) for f in files)
+
+
 def test_summarize_merges_calls_and_keeps_the_ok_record(tmp_path):
     part = gpu_suite.PARTS[0]
     meta = {"mode": "full", "device": "cuda", "device_name": "GPU X", "torch": "2.11",

@@ -7,8 +7,24 @@ issues they came from. Add a part by appending a `Part` to `PARTS` (see gpu_suit
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 from suite import extract as ex
 from suite.core import Context, Goal, Part
+
+# pytest.mark.gpu as a decorator or an item of a mark list (pytestmark = [...]), not in a string
+GPU_MARK = re.compile(r"(@pytest\.mark\.gpu\b|\bpytest\.mark\.gpu\s*[,\]])")
+
+
+def _gpu_test_files(ctx: Context) -> list[str]:
+    """The test modules that can hold a test marked gpu: all of ``tests`` on a GPU; in smoke
+    mode only the files that use the mark, which spares collecting (importing) the whole suite
+    on the CPU while still checking that each of them selects its CUDA tests."""
+    if not ctx.smoke:
+        return ["tests"]
+    files = sorted(Path(ctx.root, "tests").glob("test_*.py"))
+    return [f"tests/{f.name}" for f in files if GPU_MARK.search(f.read_text())]
 
 
 def _pytest(ctx: Context, xml: str, *args: str) -> list[str]:
@@ -51,7 +67,7 @@ PARTS: list[Part] = [
         name="a-cuda-tests", priority=10, estimate_s=120, timeout_s=420,
         title="every CUDA test (pytest -m gpu; the autocast lists are part b)",
         command=lambda ctx: _pytest(ctx, "a.xml", "-m", "gpu", "-k",
-                                    "not test_cuda_lists_on_gpu", "tests"),
+                                    "not test_cuda_lists_on_gpu", *_gpu_test_files(ctx)),
         extract=ex.extract_cuda_tests, ok_returncodes=(0, 1, 5),
         goals=(Goal("CUDA tests failing", "==", 0, "every CUDA test passes on the GPU"),),
     ),
