@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import mixprec
+from mixprec.fp8 import gemm
 from mixprec.fp8.linear import Fp8Linear
 from mixprec.fp8.numerics import quantize, scale_from_amax
 from mixprec.fp8.recipe import E4M3, E5M2, RECIPES, Fp8Recipe
@@ -42,6 +43,19 @@ RECIPE_CASES = [
 
 def _ids(r: Fp8Recipe) -> str:
     return r.summary().replace(" ", "")
+
+
+@pytest.fixture(autouse=True)
+def _scaled_mm_when_asked(request):
+    """Tests parametrised "scaled_mm" run torch._scaled_mm itself, whatever this machine's
+    measured choice (mixprec.fp8.gemm) would be."""
+    callspec = getattr(request.node, "callspec", None)
+    forced = callspec is not None and callspec.params.get("emulate") in (False, "per-tensor")
+    if forced:
+        gemm.set_gemm_path("scaled_mm")
+    yield
+    if forced:
+        gemm.set_gemm_path(None)
 
 
 def _layer(recipe: Fp8Recipe, k: int, n: int, emulate: bool, seed: int = 0) -> Fp8Linear:
@@ -226,10 +240,16 @@ def test_layer_uses_the_delayed_scale_capped_by_the_current_amax():
     layer.fp8_scale.fill_(1e6)  # above: the current amax caps it (nothing saturates)
     layer(x * 100)
     assert layer.fp8_fwd[2].item() == pytest.approx(448 / (100 * x.abs().max().item()))
+    # True delayed scaling: dynamic until the first update, then the prepared scale as it is.
     saturating = Fp8Linear(32, 16, bias=False, recipe=recipe.replace(overflow="saturate"))
-    saturating.fp8_scale.fill_(1e6)
+    saturating(x)
+    assert saturating.fp8_fwd[2].item() == pytest.approx(448 / x.abs().max().item())
+    mixprec.fp8_update([saturating])
+    saturating.fp8_next.fill_(1e6)
     out = saturating(x * 100)  # clipped at +-448/1e6, but finite
     assert saturating.fp8_fwd[2].item() == 1e6 and torch.isfinite(out).all()
+    # The amax was read from the FP8 bytes: saturated, so twice the clipping threshold.
+    assert saturating.fp8_fwd[0].item() == pytest.approx(2 * 448 / 1e6)
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))

@@ -36,6 +36,7 @@ from mixprec.eager.rules import (
 )
 from mixprec.errors import MixprecError
 from mixprec.fp8.convert import fp8_layers
+from mixprec.fp8.recipe import format_name
 from mixprec.fp8.report import fp8_report
 from mixprec.policy.categories import OpCategory
 from mixprec.policy.entrypoints import op_name
@@ -152,6 +153,7 @@ class _Recorder(AutocastMode):
         self._reasons: dict[tuple[Any, ...], str] = {}
         self._busy = False
         self.fp8_reasons: dict[str, str] = {}  # FP8 layer name -> why the policy chose FP8
+        self.fp8_formats: dict[str, str] = {}  # FP8 layer name -> 'e4m3' (its forward operands)
 
     def _reason(self, name: str, category: str, func: Any, rule: Any, args: tuple) -> str:
         # The region in force decides (a model may open its own, e.g. an O1 model's policy).
@@ -219,6 +221,12 @@ class _Recorder(AutocastMode):
         if name == _FP8_OP:  # an FP8 layer's matmul: decided per layer by the FP8 module rules
             row.category = OpCategory.FP8.value
             row.reason = self.fp8_reasons.get(row.module, OpCategory.FP8.summary)
+            # It ran on FP8 operands (the op's tensor arguments are its unquantised inputs and
+            # its state), and its output is the first result (the others are FP8 copies).
+            fmt = self.fp8_formats.get(row.module)
+            if fmt is not None:
+                row.ran_in = [fmt]
+            row.outputs = row.outputs[:1]
         if category == OpCategory.FP32_OUTPUT.value and seen.get("kwargs", {}).get("dtype"):
             row.ran_in = [f"{_FP32_NAME}-acc"]  # upcast inside the kernel, no copy
         self._note_casts(row, args, kwargs, seen, cached_before, out)
@@ -393,6 +401,11 @@ def explain(
     recorder = _Recorder(region.policy)
     layers = fp8_layers(model)
     recorder.fp8_reasons = {name: layer.fp8_reason for name, layer in layers}
+    recorder.fp8_formats = {name: format_name(layer.fp8_recipe.forward_dtype)
+                            for name, layer in layers}  # fmt: skip
+    tokens_before = [layer.fp8_tokens for _, layer in layers]
+    for _, layer in layers:
+        layer.fp8_tokens = 0  # set again by each FP8 layer this forward calls
     measuring = [layer.measure_error for _, layer in layers]
     for _, layer in layers:
         layer.measure_error = True  # this forward also records each FP8 layer's error
@@ -423,6 +436,9 @@ def explain(
     report = ExplainReport(recorder, device_type, region.dtype, flops, backward)
     if layers:
         report.fp8 = fp8_report(model)
+        report.fp8_not_called = [name for name, layer in layers if layer.fp8_tokens == 0]
+        for (_, layer), before in zip(layers, tokens_before, strict=True):
+            layer.fp8_tokens = layer.fp8_tokens or before
     elif region.policy is not None and region.policy.modules:
         report.fp8_plan = region.policy.plan_fp8(model)
     return report

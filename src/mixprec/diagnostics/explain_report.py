@@ -52,6 +52,7 @@ class ExplainReport:
         self.ping_pong = _ping_pong(recorder)
         self.fp8: Fp8Report | None = None  # FP8 layers: scales, amaxes, error on this batch
         self.fp8_plan: tuple[ModuleDecision, ...] = ()  # FP8 rules of a model not yet converted
+        self.fp8_not_called: list[str] = []  # FP8 layers this forward did not call
 
     # ---- summaries
     @property
@@ -160,6 +161,10 @@ class ExplainReport:
         if self.fp8 is not None:
             lines += ["", str(self.fp8)]
             lines += [f"  {layer.module}: {layer.reason}" for layer in self.fp8]
+            lines += [f"  {name}: converted, but this forward did not call it (its weight is "
+                      f"used some other way, or the branch did not run): not FP8 here"
+                      for name in self.fp8_not_called]  # fmt: skip
+            lines.append(f"  gemm: {GEMM_NOTE}")
         if self.fp8_plan:
             lines += [
                 "",
@@ -167,11 +172,20 @@ class ExplainReport:
                 "mixprec.to_fp8 or initialize(..., fp8=...) converts it):",
             ]
             lines += [f"  {d}" for d in self.fp8_plan]
+            lines.append(f"  gemm: {GEMM_NOTE}")
         return "\n".join(lines)
 
     def __repr__(self) -> str:
         s = self.summary()
         return f"<ExplainReport {s['calls']} calls, {s['casts']} casts, {s['ping_pong']} ping-pong>"
+
+
+#: How FP8 products choose their path (mixprec.fp8.gemm), for the FP8 parts of the report.
+GEMM_NOTE = (
+    "each FP8 product runs torch._scaled_mm or mixprec's emulation, whichever is faster on "
+    "this machine (measured at first use per shape class; CUDA: _scaled_mm from compute "
+    "capability 8.9); MIXPREC_FP8_GEMM=scaled_mm|emulate forces one"
+)
 
 
 def _total(counters: Iterator[dict[str, int]]) -> Counter[str]:

@@ -18,7 +18,7 @@ the report shows).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -30,13 +30,50 @@ from mixprec.fp8.state import Fp8State, update_history
 from mixprec.policy.modules import ModuleDecision
 from mixprec.policy.policy import Policy
 
-__all__ = ["fp8_layers", "fp8_update", "to_fp8"]
+__all__ = [
+    "NoFp8LayerError", "check_converts", "fp8_layers", "fp8_update", "no_layer_message",
+    "to_fp8",
+]  # fmt: skip
+
+
+class NoFp8LayerError(PolicyError):
+    """FP8 was asked for, and the policy's rules select no layer of the model (the message
+    lists every linear layer with the reason it was refused)."""
+
+
+def no_layer_message(model: nn.Module, recipe: Fp8Recipe, decisions: Iterable[ModuleDecision],
+                     policy: Policy) -> str:  # fmt: skip
+    """Why FP8 with `recipe` converts no layer of `model`, and what to change."""
+    decisions = list(decisions)
+    what = f"FP8 (recipe {recipe.name!r}) converts no layer of {type(model).__name__}"
+    if not decisions:
+        return (f"{what}: it has no nn.Linear layer (FP8 runs linear layers only). Drop fp8=... "
+                f"for this model.")  # fmt: skip
+    rules = "+".join(map(str, policy.modules)) or "auto"
+    lines = [f"{what}: the FP8 rules (fp8={rules}) refused every linear layer:"]
+    lines += [f"  {d}" for d in decisions]
+    lines.append(
+        "Select layers with a policy rule (policy='fp8=all', or a glob: 'fp8=blocks.*.mlp.*'), "
+        "make their in/out features multiples of 16, or drop fp8=... to train without FP8."
+    )
+    return "\n".join(lines)
+
+
+def check_converts(models: Sequence[nn.Module], recipe: Fp8Recipe, policy: Policy) -> None:
+    """Raise `NoFp8LayerError` when FP8 would convert no layer of any of `models` (layers
+    already converted count). Reads the models only."""
+    plans = [policy.plan_fp8(m) for m in models]
+    if any(d.fp8 for plan in plans for d in plan) or any(fp8_layers(m) for m in models):
+        return
+    raise NoFp8LayerError(no_layer_message(models[0], recipe, plans[0], policy))
 
 
 def to_fp8(
     model: nn.Module,
     recipe: Fp8Recipe | str = "tensorwise",
     policy: Policy | str | None = None,
+    *,
+    amax_group: object = None,
 ) -> nn.Module:
     """Run the linear layers `policy` selects in FP8, following `recipe`. In place.
 
@@ -46,6 +83,11 @@ def to_fp8(
         policy: a `mixprec.Policy` (or string) whose FP8 module rules select the layers
             (``'fp8=auto+!head'``); without rules, ``fp8=auto``: every linear layer with sizes
             multiple of 16 except the first and the last. ``policy.plan_fp8(model)`` previews it.
+        amax_group: a ``torch.distributed`` process group whose ranks agree on every amax
+            before it enters a history (`fp8_update` all-reduces them, MAX: one asynchronous
+            all-reduce per step for the whole model). Needed where ranks quantise parts of one
+            tensor (tensor or sequence parallel layouts; `mixprec.fully_shard` sets it for
+            FSDP2's FP8 all-gather); None: each rank keeps its own histories (data parallel).
 
     Returns:
         `model`, with the selected ``nn.Linear`` submodules replaced by `Fp8Linear` (the model
@@ -54,6 +96,8 @@ def to_fp8(
     Raises:
         PolicyError: an unknown recipe, a bad policy, or a layer already converted with another
             recipe (convert a fresh model to change the recipe).
+        NoFp8LayerError: the rules select no layer (the message lists each linear layer and
+            why it was refused).
     """
     recipe = Fp8Recipe.named(recipe)
     if isinstance(policy, str):
@@ -74,10 +118,12 @@ def to_fp8(
             )
     swaps = {d.module: d for d in decisions if d.fp8}
     if not swaps:
-        return model
+        raise NoFp8LayerError(no_layer_message(model, recipe, decisions, policy))
     made: dict[int, Fp8Linear] = {}  # one replacement per layer, however many parents hold it
     if "" in swaps:  # the model itself is the one linear layer
-        return _swap(model, swaps[""], recipe, made)
+        new = _swap(model, swaps[""], recipe, made)
+        new.fp8_amax_group = amax_group
+        return new
     # named_modules() names a shared module once, by its first path: the plan's name for it.
     names = {id(m): n for n, m in model.named_modules()}
     for parent in list(model.modules()):
@@ -85,6 +131,8 @@ def to_fp8(
             decision = None if child is None else swaps.get(names.get(id(child), ""))
             if decision is not None and type(child) is not Fp8Linear:
                 parent._modules[child_name] = _swap(child, decision, recipe, made)
+    for layer in made.values():
+        layer.fp8_amax_group = amax_group
     return model
 
 
@@ -127,37 +175,80 @@ def fp8_update(
             skipped, and histories and scales stay exactly as they were), e.g.
             ``scaler.step_skipped(optimizer)``. None: the step ran.
 
-    No host sync: tensor ops only, so the update is recorded in a captured CUDA graph.
+    No host sync: tensor ops only, so the update is recorded in a captured CUDA graph. Layers
+    with an ``amax_group`` (`to_fp8`) first agree on their amaxes across that group: one
+    all-reduce (MAX, asynchronous; waited on by the device, not the host, on NCCL) for all of
+    them.
     """
     if isinstance(model_or_layers, nn.Module):
         layers = [m for _, m in fp8_layers(model_or_layers)]
     else:
         layers = list(model_or_layers)
-    groups: dict[tuple[Fp8Recipe, torch.device], list[Fp8Linear]] = {}
+    groups: dict[tuple[Fp8Recipe, torch.device, int], list[Fp8Linear]] = {}
     for layer in layers:
-        groups.setdefault((layer.fp8_recipe, layer.fp8_scale.device), []).append(layer)
+        key = (layer.fp8_recipe, layer.fp8_scale.device, id(layer.fp8_amax_group))
+        groups.setdefault(key, []).append(layer)
     with torch.no_grad():
-        for (recipe, _), group in groups.items():
-            _update_group(group, recipe, skipped)
+        pendings = {key: _pending(group) for key, group in groups.items()}
+        _agree(groups, pendings)
+        for key, group in groups.items():
+            _update_group(group, key[0], pendings[key], skipped)
 
 
-def _update_group(group: list[Fp8Linear], recipe: Fp8Recipe, skipped: torch.Tensor | None) -> None:
+def _pending(group: list[Fp8Linear]) -> torch.Tensor:
+    """(L, 3): this step's largest amax of each layer's input, weight and gradient."""
+    fwd = torch.stack([m.fp8_fwd[:2] for m in group])
+    grad = torch.stack([m.pending_grad_amax() for m in group])
+    return torch.cat([fwd, grad.unsqueeze(1)], dim=1)
+
+
+def _agree(groups: dict[tuple, list[Fp8Linear]], pendings: dict[tuple, torch.Tensor]) -> None:
+    """MAX-all-reduce the pending amaxes of layers with an amax group: one call per group."""
+    by_group: dict[int, list[tuple]] = {}
+    for key, group in groups.items():
+        if group[0].fp8_amax_group is not None:
+            by_group.setdefault(key[2], []).append(key)
+    if not by_group:
+        return
+    import torch.distributed as dist
+
+    for keys in by_group.values():
+        flat = torch.cat([pendings[k].reshape(-1) for k in keys])
+        work = dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=groups[keys[0]][0].fp8_amax_group,
+                               async_op=True)  # fmt: skip
+        work.wait()  # NCCL: the current stream waits for it; the host does not
+        for k, part in zip(keys, flat.split([pendings[k].numel() for k in keys]), strict=True):
+            pendings[k] = part.view_as(pendings[k])
+
+
+def _valid(t: torch.Tensor) -> torch.Tensor:
+    return torch.isfinite(t) & (t > 0)
+
+
+def _update_group(group: list[Fp8Linear], recipe: Fp8Recipe, pending: torch.Tensor,
+                  skipped: torch.Tensor | None) -> None:  # fmt: skip
     histories = [m.fp8_history for m in group]
     scales = [m.fp8_scale for m in group]
     fwds = [m.fp8_fwd for m in group]
     bwds = [m.fp8_bwd for m in group]
-    fwd = torch.stack(fwds)
-    grad = torch.stack([m.pending_grad_amax() for m in group])
-    pending = torch.cat([fwd[:, :2], grad.unsqueeze(1)], dim=1)
     flag = None if skipped is None else skipped.to(pending.device)
     new = update_history(Fp8State(torch.stack(histories), torch.stack(scales)), pending, recipe,
                          flag)  # fmt: skip
     torch._foreach_copy_(histories, list(new.history.unbind(0)))
     torch._foreach_copy_(scales, list(new.scale.unbind(0)))
+    fwd, bwd = torch.stack(fwds), torch.stack(bwds)
+    if recipe.true_delayed:
+        # The scales the next casts take as they are: the delayed ones, or where an operand has
+        # no history yet, the last ones used (1 if there are none: the bytes then say more).
+        last = torch.cat([fwd[:, 2:], bwd[:, 1:]], dim=1)
+        fallback = torch.where(_valid(last), last, torch.ones_like(last))
+        nexts = torch.where(_valid(new.scale), new.scale, fallback)
+        torch._foreach_copy_([m.fp8_next for m in group], list(nexts.unbind(0)))
+        for m in group:
+            m.fp8_ready = True
     # Clear the pending amaxes (they may be inf/NaN: no multiply); keep the last-used scales.
     fwd = torch.cat([torch.zeros_like(fwd[:, :2]), fwd[:, 2:]], dim=1)
     torch._foreach_copy_(fwds, list(fwd.unbind(0)))
-    bwd = torch.stack(bwds)
     bwd = torch.cat([torch.zeros_like(bwd[:, :1]), bwd[:, 1:]], dim=1)
     torch._foreach_copy_(bwds, list(bwd.unbind(0)))
     for m in group:

@@ -10,19 +10,22 @@ Conventions (the ones ``torch._scaled_mm`` uses):
   and ``(1, cols)`` for the right one.
 
 Everything here is a tensor op: no value is read back to the host, so these functions can run
-inside a captured CUDA graph. Costs per quantised operand: one read for the amax
-(``vector_norm(t, inf)``, a single reduction) and one fused-by-nothing pass for scale, clamp and
-cast in eager mode (three elementwise kernels; the GPU benchmark measures what that costs).
+inside a captured CUDA graph. Costs per quantised operand: one read for the amax (a single
+reduction: ``vector_norm(t, inf)`` on a GPU, ``aminmax`` on the CPU) and one fused-by-nothing
+pass for scale, clamp and cast in eager mode (three elementwise kernels; the GPU benchmark
+measures what that costs). The matmul's path is `mixprec.fp8.gemm`'s.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from mixprec._compat import scaled_mm_available
+from mixprec.fp8 import gemm
 
-__all__ = ["EPS", "amax", "dequantize", "inverse", "quantize", "scale_from_amax", "scaled_mm"]
+__all__ = [
+    "EPS", "amax", "dequantize", "fp8_amax", "inverse", "quantize", "scale_from_amax",
+    "scaled_mm",
+]  # fmt: skip
 
 #: Smallest amax a scale is computed from (an all-zero tensor gets a finite scale: 448e12).
 EPS = 1e-12
@@ -36,9 +39,26 @@ def amax(t: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     Inf when `t` holds an inf, NaN when it holds a NaN (so non-finite values are not hidden).
     """
     t = t.detach()
+    if t.device.type == "cpu" and t.numel():
+        # vector_norm(t, inf) is not vectorised on the CPU (about 20x slower than aminmax on an
+        # AVX2 EPYC); max(hi, -lo) is the same value, NaN included (aminmax propagates NaN).
+        lo, hi = torch.aminmax(t) if dim is None else torch.aminmax(t, dim=dim, keepdim=True)
+        return torch.maximum(hi, -lo).float()
     if dim is None:
         return torch.linalg.vector_norm(t, _INF).float()
     return torch.linalg.vector_norm(t, _INF, dim=dim, keepdim=True).float()
+
+
+def fp8_amax(q: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude of FP8 `q` (0-dim fp32), read from its bytes: one reduction over
+    1 byte per element (a bf16 source is 2, fp32 4). NaN if `q` holds a NaN.
+
+    FP8 bytes are sign and magnitude: with the sign bit cleared, a larger byte is a larger
+    magnitude, and NaN's code is above every finite one (e4m3fn has no inf; e5m2's inf cannot
+    come out of a saturating cast).
+    """
+    code = q.view(torch.uint8).bitwise_and(0x7F).amax()
+    return gemm.decode(code.view(1).view(q.dtype)).reshape(())
 
 
 def scale_from_amax(
@@ -79,14 +99,6 @@ def dequantize(q: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
     return q.float() * inv
 
 
-def _pad_last(q: torch.Tensor, multiple: int = 16) -> torch.Tensor:
-    """Zero-pad the last dim of `q` to a multiple of `multiple` (as uint8: the bits of +0.0)."""
-    extra = -q.shape[-1] % multiple
-    if not extra:
-        return q
-    return F.pad(q.view(torch.uint8), (0, extra)).view(q.dtype)
-
-
 def scaled_mm(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -99,27 +111,19 @@ def scaled_mm(
 ) -> torch.Tensor:
     """``(a @ b) * inv_a * inv_b`` for FP8 `a` (M, K) and `b` (K, N), accumulated in fp32.
 
-    `a` may have any layout (it is made row-major), `b` is made column-major, as the FP8 GEMM of
-    cuBLASLt requires (a contiguous copy where needed: FP8 tensors are half the bytes of bf16).
-    The inner dimension is zero-padded to a multiple of 16 (zeros add nothing to a dot product),
-    which the GPU kernel requires; M and N are a layer's token count and feature sizes, and only
-    K = tokens (the weight-gradient product) is not a feature size.
+    For ``torch._scaled_mm``, `a` is made row-major and `b` column-major, as the FP8 GEMM of
+    cuBLASLt requires (a contiguous copy where needed: FP8 tensors are half the bytes of bf16),
+    and the inner dimension is zero-padded to a multiple of 16 (zeros add nothing to a dot
+    product); M and N are a layer's token count and feature sizes, and only K = tokens (the
+    weight-gradient product) is not a feature size.
 
-    With ``emulate`` (or where ``torch._scaled_mm`` cannot run on the device), the product is
-    formed as an fp32 matmul of the FP8 values, scaled afterwards: the same quantisation, with
-    fp32 accumulation in another order.
+    Which path runs is `mixprec.fp8.gemm`'s choice for the product's shape class: the faster
+    of ``_scaled_mm`` and emulation on this machine, measured at first use (CUDA: ``_scaled_mm``
+    from compute capability 8.9). With ``emulate`` (or where ``_scaled_mm`` cannot run on the
+    device) the product is an fp32 matmul of the FP8 values, scaled afterwards: the same
+    quantisation, with fp32 accumulation in another order.
     """
-    if emulate or not scaled_mm_available(a.device):
-        out = torch.mm(a.float(), b.float()) * inv_a * inv_b
-        return out.to(out_dtype)
-    a = _pad_last(a.contiguous())
-    b = _pad_last(b.t().contiguous()).t()
-    if (inv_a.numel() > 1 or inv_b.numel() > 1) and not scaled_mm_available(a.device, True):
-        # Per-tensor scales only (torch 2.11's CPU kernel): the FP8 product with unit scales,
-        # in fp32, then the row and column scales, as the rowwise kernel applies them.
-        one = torch.ones((), device=a.device)
-        out = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)
-        return (out * inv_a * inv_b).to(out_dtype)
-    return torch._scaled_mm(
-        a, b, scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype, use_fast_accum=fast_accum
-    )
+    rowwise = inv_a.numel() > 1 or inv_b.numel() > 1
+    if emulate or gemm.gemm_path(a, b, rowwise, out_dtype) == "emulate":
+        return gemm.emulated(a, b, inv_a, inv_b, out_dtype)
+    return gemm.scaled(a, b, inv_a, inv_b, out_dtype, fast_accum)

@@ -13,11 +13,18 @@ Forward, per operand ``t`` with format max ``fmax``:
 
     amax  = max|t|                                   (rowwise: per row along the reduction dim)
     scale = fmax / amax                              (dynamic), or
-            min(delayed, fmax / amax)                (delayed, overflow='rescale'), or
-            delayed (dynamic while there is no history)   (delayed, overflow='saturate')
+            min(delayed, fmax / amax)                (delayed, overflow='rescale')
     q     = clamp(t * scale, -fmax, fmax).to(fp8)
 
-and ``out = _scaled_mm(q_x, q_w.T, 1/scale_x, 1/scale_w)``. Backward quantises the output
+or, true delayed scaling (delayed, overflow='saturate'; `Fp8Linear` passes the scales
+`fp8_update` prepared, and the flag ``delayed`` False until there are some):
+
+    q     = clamp(t * delayed, -fmax, fmax).to(fp8)   (no pass over t before the cast)
+    amax  = max|q| / delayed, read from the FP8 bytes; 2 fmax / delayed if q reached fmax
+
+and ``out = q_x @ q_w.T * (1/scale_x) * (1/scale_w)`` (`mixprec.fp8.gemm` picks
+``torch._scaled_mm`` or emulation for it). A weight already quantised (``wq``: cached across
+micro-batches, or all-gathered in FP8 by FSDP2) is used as it is. Backward quantises the output
 gradient the same way (e5m2 or e4m3) and forms ``grad_input = g @ w`` and ``grad_weight = g.T @
 x`` from the forward's quantised operands (tensorwise: they are saved in FP8, half the bytes of
 bf16) or re-quantised along the other axis (rowwise: the inputs are saved in their own dtype).
@@ -31,7 +38,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from mixprec.fp8.numerics import amax, inverse, quantize, scale_from_amax, scaled_mm
+from mixprec.fp8.numerics import amax, fp8_amax, inverse, quantize, scale_from_amax, scaled_mm
 from mixprec.fp8.recipe import E4M3, E5M2, fp8_max
 
 __all__ = ["fp8_linear", "fp8_linear_backward", "fp8_record"]
@@ -49,12 +56,10 @@ def _plain() -> Iterator[None]:
 
 def _scale(t_amax: Tensor, delayed: Tensor, fmax: float, flags: tuple[bool, bool, bool]) -> Tensor:
     """The scale an operand is quantised with (see the module docstring)."""
-    is_delayed, saturate, power_of_two = flags
+    is_delayed, _, power_of_two = flags
     current = scale_from_amax(t_amax, fmax, power_of_two)
     if not is_delayed:
         return current
-    if saturate:
-        return torch.where(torch.isinf(delayed), current, delayed)
     return torch.minimum(delayed, current)
 
 
@@ -62,6 +67,17 @@ def _quantize(t: Tensor, dim: int | None, delayed: Tensor, fmax: float, dtype: t
               flags: tuple[bool, bool, bool]) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """(q, inverse scale, tensor amax, tensor-level scale) of `t` (rowwise when `dim` is set)."""
     if dim is None:
+        if flags[0] and flags[1]:
+            # True delayed scaling: the cast takes the delayed scale as it is, without a pass
+            # over `t` for its current amax first. The amax the history needs is read from the
+            # FP8 bytes afterwards (one byte per element); where the cast saturated (or just
+            # reached fmax) the true amax is unknown, at least fmax / scale, and twice that is
+            # recorded, so the scale halves each step until the operand fits.
+            scale = delayed
+            q = quantize(t, scale, dtype, fmax)
+            found = fp8_amax(q)
+            t_amax = torch.where(found >= fmax, 2.0 * fmax, found) / scale
+            return q, inverse(scale), t_amax, scale
         t_amax = amax(t)
         scale = _scale(t_amax, delayed, fmax, flags)
         return quantize(t, scale, dtype, fmax), inverse(scale), t_amax, scale
@@ -85,6 +101,9 @@ def fp8_linear(
     power_of_two: bool,
     fast_accum: bool,
     emulate: bool,
+    wq: Tensor | None = None,
+    wq_inv: Tensor | None = None,
+    wq_stats: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``x @ w.T`` in FP8: (out, q_x, inv_x, q_w, inv_w, stats). `x` is (M, K), `w` (N, K).
 
@@ -92,27 +111,40 @@ def fp8_linear(
     and the (tensor-level) scale used for the input and the weight. `grad_stats` and
     `grad_e5m2` are for the backward (which writes the output gradient's amax into
     `grad_stats`); the forward only reads its arguments.
+
+    `wq`, `wq_inv`, `wq_stats` (tensorwise only): the weight already quantised, as an FP8 tensor
+    like `w`, its inverse scale, and the `stats` of the forward that quantised it (its amax and
+    scale are entries 1 and 3), from `Fp8Linear`'s cache (the micro-batches of one optimizer
+    step) or from FSDP2's FP8 all-gather; `w` is then not read, and `q_w` comes back empty (an
+    op's outputs may not alias its inputs: the caller keeps `wq`).
     """
     flags = (delayed, saturate, power_of_two)
     with _plain():
         dim = 1 if rowwise else None
         qx, inv_x, ax, sx = _quantize(x, dim, scales[0], _E4M3_MAX, E4M3, flags)
-        qw, inv_w, aw, sw = _quantize(w, dim, scales[1], _E4M3_MAX, E4M3, flags)
+        if wq is None:
+            qw, inv_w, aw, sw = _quantize(w, dim, scales[1], _E4M3_MAX, E4M3, flags)
+            gemm_w, kept = qw, qw
+        else:
+            assert wq_inv is not None and wq_stats is not None
+            inv_w, aw, sw = wq_inv.clone(), wq_stats[1], wq_stats[3]
+            gemm_w, kept = wq, wq.new_empty((0,))
         gemm_dtype = torch.bfloat16 if rowwise else out_dtype  # rowwise GEMMs write bf16
         inv_b = inv_w.reshape(1, -1) if rowwise else inv_w
-        out = scaled_mm(qx, qw.t(), inv_x, inv_b, gemm_dtype, fast_accum=fast_accum,
+        out = scaled_mm(qx, gemm_w.t(), inv_x, inv_b, gemm_dtype, fast_accum=fast_accum,
                         emulate=emulate).to(out_dtype)  # fmt: skip
-        return out, qx, inv_x, qw, inv_w, torch.stack([ax, aw, sx, sw])
+        return out, qx, inv_x, kept, inv_w, torch.stack([ax, aw, sx, sw])
 
 
 @fp8_linear.register_fake
 def _(x, w, scales, grad_stats, out_dtype, grad_e5m2, rowwise, delayed, saturate, power_of_two,
-      fast_accum, emulate):  # fmt: skip
+      fast_accum, emulate, wq=None, wq_inv=None, wq_stats=None):  # fmt: skip
     m, n = x.shape[0], w.shape[0]
     inv_x = x.new_empty((m, 1) if rowwise else (), dtype=torch.float32)
     inv_w = x.new_empty((n, 1) if rowwise else (), dtype=torch.float32)
     out = x.new_empty((m, n), dtype=out_dtype)
-    qx, qw = x.new_empty(x.shape, dtype=E4M3), w.new_empty(w.shape, dtype=E4M3)
+    qx = x.new_empty(x.shape, dtype=E4M3)
+    qw = w.new_empty(w.shape if wq is None else (0,), dtype=E4M3)
     return out, qx, inv_x, qw, inv_w, x.new_empty((4,), dtype=torch.float32)
 
 
@@ -184,8 +216,9 @@ def _(fwd, stats):
 
 def _setup(ctx, inputs, output) -> None:
     x, w, scales, grad_stats, _, grad_e5m2, rowwise, delayed, saturate, power_of_two, _, emulate = (
-        inputs
+        inputs[:12]
     )
+    wq = inputs[12] if len(inputs) > 12 else None
     _, qx, inv_x, qw, inv_w, stats = output
     ctx.mark_non_differentiable(qx, inv_x, qw, inv_w, stats)
     ctx.flags = (grad_e5m2, rowwise, delayed, saturate, power_of_two, emulate)
@@ -193,7 +226,7 @@ def _setup(ctx, inputs, output) -> None:
     if rowwise:
         ctx.save_for_backward(x, inv_x, w, inv_w, scales, grad_stats)
     else:  # FP8 copies: half the bytes of bf16 activations kept for backward
-        ctx.save_for_backward(qx, inv_x, qw, inv_w, scales, grad_stats)
+        ctx.save_for_backward(qx, inv_x, qw if wq is None else wq, inv_w, scales, grad_stats)
 
 
 def _backward(ctx, grad_out, *_unused):
@@ -201,7 +234,7 @@ def _backward(ctx, grad_out, *_unused):
     grad_x, grad_w = fp8_linear_backward(
         grad_out.contiguous(), x, inv_x, w, inv_w, scales, grad_stats, *ctx.dtypes, *ctx.flags
     )
-    return grad_x, grad_w, *([None] * 10)
+    return grad_x, grad_w, *([None] * 13)
 
 
 fp8_linear.register_autograd(_backward, setup_context=_setup)

@@ -17,7 +17,17 @@ says how the scales are chosen:
   (Transformer Engine's DelayedScaling: ``scale = fmax / amax / 2**margin``). The histories live
   on the device and advance once per optimizer step, not at all on a skipped step. mixprec
   also caps the delayed scale by the current amax (``overflow='rescale'``), so an outlier batch
-  is rescaled rather than clipped; ``overflow='saturate'`` clips it to +-fmax as TE does.
+  is rescaled rather than clipped; this needs the current amax before every cast, as dynamic
+  scaling does. ``overflow='saturate'`` is *true* delayed scaling (Transformer Engine's): the
+  cast takes the delayed scale as it is, with no pass over the operand before it; the amax
+  the history needs is read from the FP8 bytes after the cast (one byte per element), and an
+  operand that outgrew its scale is clipped to +-fmax and recorded at twice the clipping
+  threshold, so its scale halves each step until it fits.
+- Outliers in the history (``max_growth``): an amax entering a history may exceed the
+  window's current largest by at most this factor (4 by default). One outlier batch then
+  shrinks the next steps' scales by at most 4x (2 bits of range, no precision in e4m3's
+  normal range) instead of by the outlier's size for ``history_len`` steps; a real growth of
+  g is adopted in ``ceil(log4 g)`` steps. ``max_growth=float('inf')`` is TE's window max.
 - ``rowwise`` (dynamic): one scale per row of each operand along the matmul's reduction
   dimension (torchao's rowwise recipe), which isolates outlier rows; scales are powers of two.
 
@@ -84,8 +94,11 @@ class Fp8Recipe:
         amax_compute: ``'max'`` over the window, or ``'most_recent'`` (delayed only).
         margin: delayed scaling divides its scale by ``2**margin`` (headroom for growth).
         overflow: delayed scaling when the current amax exceeds what the delayed scale allows:
-            ``'rescale'`` (use the current amax's scale: nothing is clipped) or ``'saturate'``
-            (clip to +-fmax, as Transformer Engine does).
+            ``'rescale'`` (use the current amax's scale: nothing is clipped; costs the current
+            amax before each cast) or ``'saturate'`` (true delayed scaling: cast with the
+            delayed scale as it is, clip to +-fmax, as Transformer Engine does).
+        max_growth: the most an amax entering a delayed history may exceed the window's
+            largest entry, as a factor (> 1; ``float('inf')``: no bound, TE's window max).
         power_of_two: round every scale down to a power of two, so that scaling and unscaling
             are exact (no rounding beyond the cast to FP8). Costs up to 1 bit of range.
         fast_accum: use the tensor cores' fast (less precise) accumulation in the forward matmul
@@ -102,6 +115,7 @@ class Fp8Recipe:
     amax_compute: str = "max"
     margin: int = 0
     overflow: str = "rescale"
+    max_growth: float = 4.0
     power_of_two: bool = False
     fast_accum: bool = True
     emulate: bool = False
@@ -134,6 +148,13 @@ class Fp8Recipe:
             value = getattr(self, field)
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
                 raise PolicyError(f"Fp8Recipe {field}={value!r} must be an int >= {low}.")
+        growth = self.max_growth
+        if isinstance(growth, bool) or not isinstance(growth, (int, float)) or not growth > 1:
+            raise PolicyError(
+                f"Fp8Recipe max_growth={growth!r} must be a number > 1 (how many times the "
+                f"window's largest amax a new one may be), or float('inf') for no bound."
+            )
+        object.__setattr__(self, "max_growth", float(growth))
         for field in ("power_of_two", "fast_accum", "emulate"):
             if not isinstance(getattr(self, field), bool):
                 raise PolicyError(f"Fp8Recipe {field}={getattr(self, field)!r} must be a bool.")
@@ -193,6 +214,12 @@ class Fp8Recipe:
         return self.scaling == "delayed"
 
     @property
+    def true_delayed(self) -> bool:
+        """Whether casts take the delayed scale as it is, with no current-amax pass before them
+        (``scaling='delayed'``, ``overflow='saturate'``)."""
+        return self.delayed and self.overflow == "saturate"
+
+    @property
     def rowwise(self) -> bool:
         """Whether scales are per row."""
         return self.granularity == "rowwise"
@@ -201,7 +228,8 @@ class Fp8Recipe:
         """One line: ``delayed (tensorwise, e4m3/e5m2, history 16 max, margin 0, rescale)``."""
         parts = [self.granularity, f"e4m3/{format_name(self.grad_dtype)}"]
         if self.delayed:
-            parts += [f"history {self.history_len} {self.amax_compute}",
+            growth = "" if self.max_growth == float("inf") else f" (growth <= {self.max_growth:g}x)"
+            parts += [f"history {self.history_len} {self.amax_compute}{growth}",
                       f"margin {self.margin}", self.overflow]  # fmt: skip
         if self.power_of_two:
             parts.append("power-of-two scales")
@@ -223,7 +251,9 @@ _DESCRIPTIONS = {
     "tensorwise": "One scale per tensor from its current amax (torchao's default): nothing "
     "saturates, no state to keep; costs one amax pass per operand.",
     "delayed": "One scale per tensor from the max amax of the last 16 steps (Transformer "
-    "Engine's DelayedScaling), capped by the current amax so an outlier never clips.",
+    "Engine's DelayedScaling), capped by the current amax so an outlier never clips; an outlier "
+    "raises the history by at most 4x. replace(overflow='saturate') skips the current-amax "
+    "pass (true delayed scaling).",
     "rowwise": "One power-of-two scale per row along the reduction dimension (torchao's "
     "rowwise recipe): an outlier row only costs its own row's precision; e4m3 everywhere.",
 }

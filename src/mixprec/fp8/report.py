@@ -7,7 +7,10 @@ What the numbers mean, per operand (input, weight, output gradient):
 - *delayed*: the scale the amax history gives for the next step (``inf``: no history yet);
 - *amax*: the operand's largest magnitude in the last step, and the largest in the window;
 - *error*: ``|y_fp8 - y_fp32| / |y_fp32|`` of the last forward output, measured only while
-  ``measure_error`` is on (`mixprec.explain` and ``watch_nonfinite(fp8_error=True)`` do that).
+  ``measure_error`` is on (`mixprec.explain` and ``watch_nonfinite(fp8_error=True)`` do that);
+- *formats*: the FP8 formats of the operands (inputs and weights e4m3; gradients the recipe's);
+- *gemm*: which path the layer's products took on its last batch (`mixprec.fp8.gemm`:
+  ``scaled_mm`` or ``emulate``, measured per machine), ``not run`` before its first forward.
 
 The relative error of an e4m3 product is about 2-4% for well-scaled operands (each e4m3 value
 carries a relative rounding error of up to 2**-4); a layer that stays above `LARGE_ERROR` is a
@@ -26,7 +29,10 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from mixprec.fp8 import gemm
 from mixprec.fp8.convert import fp8_layers
+from mixprec.fp8.linear import Fp8Linear
+from mixprec.fp8.recipe import Fp8Recipe, format_name
 
 __all__ = ["LARGE_ERROR", "Fp8LayerStats", "Fp8Report", "fp8_report"]
 
@@ -46,6 +52,8 @@ class Fp8LayerStats:
     amax: tuple[float, float, float]
     window_amax: tuple[float, float, float]
     error: float | None
+    formats: str = "e4m3 x e4m3, grad e5m2"
+    gemm: str = "not run"
 
     @property
     def large_error(self) -> bool:
@@ -94,13 +102,16 @@ class Fp8Report:
     def __str__(self) -> str:
         if not self.layers:
             return "no FP8 layers (mixprec.to_fp8 or initialize(..., fp8=...) converts them)"
-        head = (f"{'layer':<28} {'recipe':<11} {'scale in/w/grad':<29} "
-                f"{'amax in/w/grad':<29} error")  # fmt: skip
+        head = (f"{'layer':<28} {'recipe':<11} {'formats in/w/grad':<18} {'scale in/w/grad':<29} "
+                f"{'amax in/w/grad':<29} {'error':<7} gemm")  # fmt: skip
         lines = [f"FP8 layers: {len(self.layers)}", head]
         for s in self.layers:
             err = "-" if s.error is None else f"{s.error:.2%}"
-            lines.append(f"{_clip(s.module, 28):<28} {s.recipe:<11} {_three(s.scale):<29} "
-                         f"{_three(s.amax):<29} {err}")  # fmt: skip
+            fmts = s.formats.replace(" x ", "/").replace(", grad ", "/")
+            lines.append(
+                f"{_clip(s.module, 28):<28} {s.recipe:<11} {fmts:<18} "
+                f"{_three(s.scale):<29} {_three(s.amax):<29} {err:<7} {s.gemm}"
+            )
         lines += [f"suggested: {text}" for text in self.suggestions()]
         return "\n".join(lines)
 
@@ -137,5 +148,23 @@ def fp8_report(model: nn.Module) -> Fp8Report:
             module=name, recipe=m.fp8_recipe.name, reason=m.fp8_reason,
             scale=tuple(v[0:3]), delayed_scale=tuple(v[3:6]), amax=tuple(v[6:9]),
             window_amax=tuple(v[9:12]), error=None if math.isnan(v[12]) else v[12],
+            formats=formats(m.fp8_recipe), gemm=gemm_summary(m),
         ))  # fmt: skip
     return Fp8Report(out)
+
+
+def formats(recipe: Fp8Recipe) -> str:
+    """``'e4m3 x e4m3, grad e5m2'``: the formats of input, weight and output gradient."""
+    fwd = format_name(recipe.forward_dtype)
+    return f"{fwd} x {fwd}, grad {format_name(recipe.grad_dtype)}"
+
+
+def gemm_summary(layer: Fp8Linear) -> str:
+    """Which path the layer's products took on its last batch (see `mixprec.fp8.gemm`)."""
+    if layer.fp8_tokens == 0:
+        return "not run"
+    if layer.fp8_recipe.emulate:
+        return "emulate (recipe)"
+    paths = gemm.layer_paths(layer.weight.device, layer.fp8_recipe.rowwise, layer.fp8_tokens,
+                             layer.in_features, layer.out_features)  # fmt: skip
+    return gemm.summary(paths)

@@ -15,7 +15,11 @@ runs inside a captured CUDA graph and never reads a value back. The rule, per op
 
     skipped step (the loss scaler found inf/NaN):   history and scale unchanged
     pending is 0, inf or NaN (operand not seen, or not finite):   unchanged
-    otherwise:   history = [pending, history[:-1]];   scale = fmax / amax_h / 2**margin
+    otherwise:   entering = min(pending, max_growth * max(history))   (if the history has one)
+                 history = [entering, history[:-1]];   scale = fmax / amax_h / 2**margin
+
+The bound on what enters keeps one outlier batch from dictating the scale for the whole
+window (the recipe's ``max_growth``; ``inf`` records every amax as it is, as TE does).
 
 A skipped step therefore leaves the FP8 state exactly as it leaves the optimizer's: a run that
 skips a batch ends bitwise equal to one that never saw it. The pending amaxes are cleared either
@@ -81,6 +85,10 @@ def update_history(
     seen = torch.isfinite(pending) & (pending > 0)
     if skipped is not None:
         seen = seen & (skipped == 0)
+    largest = history.amax(dim=-1)
+    if recipe.max_growth != float("inf"):
+        bound = torch.where(largest > 0, largest * recipe.max_growth, pending)
+        pending = torch.minimum(pending, bound)
     rolled = torch.cat([pending.unsqueeze(-1), history[..., :-1]], dim=-1)
     new_history = torch.where(seen.unsqueeze(-1), rolled, history)
     most_recent = recipe.amax_compute == "most_recent"

@@ -15,14 +15,15 @@ the returned optimizer (an `AmpOptimizer`) carries the master weights and the lo
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from mixprec.errors import ArgumentTypeError, PolicyError, UsageError
-from mixprec.fp8.convert import fp8_layers, to_fp8
+from mixprec.errors import ArgumentTypeError, UsageError
+from mixprec.fp8.convert import NoFp8LayerError, check_converts, fp8_layers, to_fp8
 from mixprec.levels.model import AmpHooks, cast_model
 from mixprec.levels.model_state import MasterMap, register_state_hooks
 from mixprec.levels.optimizer import (
@@ -122,12 +123,8 @@ def initialize(
         wrapping.model_kind(model, options, overrides, optimizers is not None)
         for model in model_list
     ]
-    if options.fp8 is not None and "sharded" in kinds:
-        raise PolicyError(
-            "FP8 layers are not supported on a model sharded by mixprec.fully_shard yet (the FP8 "
-            "matmuls take whole weights, FSDP2 shards them). Train the sharded model without "
-            "fp8=..., or an unsharded (or DDP) model with it."
-        )
+    if options.fp8 is not None:  # FP8 that converts no layer says why, before any change
+        check_converts(model_list, options.fp8, options.policy)
     # Everything that can be refused is checked before any model is changed, so a refused
     # argument leaves the models as they were (the scaler validates its own settings).
     opt_list = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
@@ -146,9 +143,14 @@ def initialize(
     fp8: list[Any] = []  # the models' FP8 layers (fp8_update runs after each optimizer step)
     for i, (model, kind) in enumerate(zip(model_list, kinds, strict=True)):
         if kind == "sharded":  # mixprec.fully_shard applied the level: FSDP's shards are masters
+            fp8 += [layer for _, layer in fp8_layers(model)]  # (and the FP8 recipe)
             continue
         if options.fp8 is not None:
-            converted = to_fp8(model, options.fp8, options.policy)
+            try:
+                converted = to_fp8(model, options.fp8, options.policy)
+            except NoFp8LayerError as err:  # another model has FP8 layers (checked above)
+                warnings.warn(str(err), stacklevel=2)
+                converted = model
             if converted is not model:  # the model was one nn.Linear: return its replacement
                 model_list[i] = model = converted
             fp8 += [layer for _, layer in fp8_layers(model)]

@@ -16,7 +16,10 @@ verdict; the last rule that selects a layer decides, like the op edits. Selector
 A rule either puts the layers it selects in FP8 (``fp8=...`` in the string form) or keeps them
 out (``fp8=!head``): such a layer follows the op policy like any other (its ``linear`` call runs
 in the low dtype). A selected layer whose dimensions are not multiples of 16 stays out, and its
-decision says why.
+decision says why. So does a linear layer whose forward its parent never calls: the output
+projection of ``nn.MultiheadAttention`` (``out_proj``), whose weight MHA passes straight to
+``F.multi_head_attention_forward``; swapped for an FP8 layer it would never run in FP8, so no
+rule selects it (a plan lists only layers that will run in FP8).
 """
 
 from __future__ import annotations
@@ -111,12 +114,35 @@ def _misaligned(layer: nn.Linear) -> str | None:
             f"layer, or leave it in the low dtype)")  # fmt: skip
 
 
+#: Modules that use a child linear layer's weight without calling the layer (its forward never
+#: runs), with the reason an FP8 plan gives.
+BYPASSING = {
+    nn.MultiheadAttention: "nn.MultiheadAttention passes this projection's weight straight to "
+    "F.multi_head_attention_forward and never calls the layer, so an FP8 layer here would not "
+    "run in FP8; it follows the op policy",
+}
+
+
+def _bypassed(model: nn.Module) -> dict[str, str]:
+    """Qualified names of the linear layers a parent bypasses, and why."""
+    out = {}
+    for name, parent in model.named_modules():
+        why = next((w for cls, w in BYPASSING.items() if isinstance(parent, cls)), None)
+        if why is None:
+            continue
+        for child_name, child in parent.named_children():
+            if isinstance(child, nn.Linear):
+                out[f"{name}.{child_name}" if name else child_name] = why
+    return out
+
+
 def plan(model: nn.Module, rules: Iterable[ModuleRule]) -> tuple[ModuleDecision, ...]:
     """The FP8 decision for every ``nn.Linear`` in `model`, in registration order.
 
     Pure: reads the model's structure (names, types, sizes), changes nothing.
     """
     rules = tuple(rules)
+    bypassed = _bypassed(model)
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     first = linears[0][0] if linears else None
     last = linears[-1][0] if linears else None
@@ -132,7 +158,9 @@ def plan(model: nn.Module, rules: Iterable[ModuleRule]) -> tuple[ModuleDecision,
             elif isinstance(hit, str) and not fp8:  # 'auto' declines it, and says why
                 why = f"fp8={rule} leaves it out: {hit}"
         misaligned = _misaligned(layer)
-        if fp8 and misaligned:
+        if fp8 and name in bypassed:
+            fp8, why = False, f"{why}, but {bypassed[name]}"
+        elif fp8 and misaligned:
             fp8, why = False, f"{why}, but {misaligned}"
         elif fp8 and by is not None and by.pattern == "auto":
             why += f": a linear layer with sizes multiple of {ALIGN}, neither first nor last"
