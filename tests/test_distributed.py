@@ -13,6 +13,10 @@ What is checked, against single-process references computed on the same ranks
 - memory: mixprec O2 on FSDP2 holds no byte more than FSDP2's own mixed precision;
 - sharded checkpoints: resume bit for bit, saved on 2 ranks and loaded on 1 and the reverse,
   saved on 4 and loaded on 2;
+- FP8 under FSDP2 (tests/dist_fp8_scenarios.py): bit for bit one process's FP8 run on 2 ranks
+  (within an fp32 ulp on 4, where FSDP2 sums four gradients in another order), the FP8
+  histories agreed across ranks, the FP8 layers' all-gathers at most 0.55x the bytes of bf16's
+  (counted from the collectives), checkpoints that resume bit for bit;
 - every misuse (order of wrapping, arguments) fails with the message that names the fix.
 """
 
@@ -25,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 import mixprec
+from tests import dist_fp8_scenarios as S8
 from tests import dist_scenarios as S
 from tests.dist_pool import RankPool
 
@@ -456,3 +461,93 @@ def test_shard_and_initialize_resolve_for_the_device_the_shards_live_on(monkeypa
     record = resolve("O2", device_type="cuda")
     monkeypatch.setattr(fsdp, "sharded_options", lambda m: record if m is model else None)
     assert init_module._device_type([model]) == "cuda"
+
+
+# ----------------------------------------------------------------------------- FP8 on FSDP2
+
+TRUE_DELAYED = mixprec.Fp8Recipe.named("delayed").replace(overflow="saturate")
+
+
+def _fp8_against_one_process(ranks: list[dict], world: int) -> None:
+    ref = ranks[0]["ref"]
+    for r in ranks:
+        assert r["fp8"]["types"] == ["Fp8ShardWeight", "Tensor"]  # FP8 weights, plain others
+        assert all("all-gathered in FP8" in why for why in r["fp8"]["reasons"])
+        if world == 2:  # two micro-batch gradients add the same in any order: bit for bit
+            assert _equal(r["fp8"]["losses"], ref["losses"])
+            assert _equal(r["fp8"]["params"], ref["params"])
+        else:  # FSDP2 sums four in another order than the one process: an fp32 ulp apart
+            for a, b in zip(r["fp8"]["losses"], ref["losses"], strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=0)
+            assert _max_diff(r["fp8"]["params"], ref["params"]) <= 1e-6
+        for mine, theirs in zip(r["fp8"]["state"], ref["state"], strict=True):
+            # Histories (3, H) and scales (3,) of input, weight, gradient: the gradient's amax
+            # is world x the one process's (its micro-batch losses are divided by world).
+            factor = torch.tensor([1.0, 1.0, float(world)]).reshape(3, *[1] * (mine.dim() - 1))
+            expected = theirs * factor if mine.dim() == 2 else theirs / factor
+            torch.testing.assert_close(mine, expected, rtol=0 if world == 2 else 1e-5, atol=0)
+
+
+def _fp8_gather_ratios(r: dict, world: int) -> list[float]:
+    """Each FP8 unit's all-gather bytes over the same unit's in bf16; other units as bf16.
+
+    FSDP2 gathers unit by unit, in the forward's order and then the backward's (reversed), so
+    the k-th collective gathers unit k (forward) or 2n-1-k (backward). The bf16 bytes are the
+    run without FP8's own collectives where it ran, else this rank's share of the unit.
+    """
+    units = len(S8.SIZES) - 1  # one per linear layer; the root holds no parameter
+    fp8 = r["fp8"]["gathers"]
+    if "bf16" in r:
+        bf16 = r["bf16"]["gathers"]
+    else:
+        rows = [-(-S8.SIZES[i + 1] // world) for i in range(units)]  # padded rows per rank
+        share = [rows[i] * (S8.SIZES[i] + 1) * 2 for i in range(units)]
+        bf16 = share + share[::-1]
+    assert len(fp8) == len(bf16) == 2 * units
+    fp8_units = {i // 2 for i in S8.FP8_LAYERS}  # Sequential index -> linear layer index
+    ratios = []
+    for k, (got, base) in enumerate(zip(fp8, bf16, strict=True)):
+        if (k if k < units else 2 * units - 1 - k) in fp8_units:
+            ratios.append(got / base)
+        else:
+            assert got == base
+    assert len(ratios) == 2 * len(fp8_units) and max(ratios) <= 0.55, ratios
+    return ratios
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", TRUE_DELAYED],
+                         ids=["tensorwise", "delayed", "true-delayed"])  # fmt: skip
+def test_fsdp2_fp8_equals_one_process_and_gathers_half_the_bytes(pools, recipe):
+    ranks = pools(2).run(S8.fsdp_fp8, "O2", recipe)
+    _fp8_against_one_process(ranks, 2)
+    for r in ranks:
+        _fp8_gather_ratios(r, 2)
+        # The same parameters, gradients and optimizer state as without FP8: the FP8 weight
+        # exists only as the all-gather's output, and the FP8 state is a few floats per layer.
+        assert r["fp8 memory"] == r["bf16 memory"]
+
+
+def test_fsdp2_fp8_on_four_ranks_matches_one_process(pools):
+    ranks = pools(4).run(S8.fsdp_fp8, "O2", "delayed", 2, False)
+    _fp8_against_one_process(ranks, 4)
+    for r in ranks:
+        _fp8_gather_ratios(r, 4)
+
+
+def test_fsdp2_fp8_checkpoint_resumes_bit_for_bit(pools, tmp_path):
+    for r in pools(2).run(S8.fsdp_fp8_checkpoint, str(tmp_path / "fp8"), TRUE_DELAYED):
+        through, resumed = r["through"], r["resumed"]
+        assert _equal(through["losses"], resumed["losses"])
+        assert _equal(through["params"], resumed["params"])
+        assert _equal(through["state"], resumed["state"])
+
+
+def test_fsdp2_fp8_misuse_names_the_fix(pools):
+    (r,) = pools(1).run(S8.fsdp_fp8_errors)
+    assert (
+        "fp8='tensorwise' differs from what mixprec.fully_shard applied" in r["fp8 after sharding"]
+    )
+    assert "pass it to mixprec.fully_shard" in r["fp8 after sharding"]
+    assert r["no layer"].startswith("FP8 (recipe 'delayed') converts no layer of Sequential")
+    assert "in_features=8 not a multiple of 16" in r["no layer"]
+    assert r["unsharded after refusal"] == "Parameter"  # refused before anything changed

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.distributed.fp8 import plain_dtensor
 from mixprec.distributed.topology import DistributedError, is_initialized, unwrap_ddp
 from mixprec.scaling.scaler import GradScaler
 
@@ -83,7 +84,8 @@ def _names(model: nn.Module, amp: Any) -> tuple[dict[str, torch.Tensor], dict[in
     for name, value in module.state_dict(keep_vars=True).items():
         if isinstance(value, torch.Tensor):
             value = master_of.get(id(value), value)
-            entries[name] = value.detach()
+            # A weight FSDP2 gathers in FP8 is saved as the plain shard it wraps.
+            entries[name] = plain_dtensor(value.detach())
     return entries, name_of
 
 
@@ -181,6 +183,10 @@ def load_checkpoint(
             inner.state.clear()  # the state was created only to give DCP tensors to fill
         raise
     _commit(live, target, inner, scaler, loaded_scaler, amp)
+    for module in _unwrap(model).modules():
+        loaded = getattr(module, "fp8_loaded", None)  # an FP8 layer: its caches are stale now
+        if callable(loaded):
+            loaded()
 
 
 def _cause(err: BaseException) -> str:

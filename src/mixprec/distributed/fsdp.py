@@ -25,6 +25,10 @@ takes the same arguments (``mesh``, ``reshard_after_forward``, ``offload_policy`
   the low dtype. No masters.
 - **O1**: the model is sharded in fp32 with no policy, and its forward runs under
   ``mixprec.autocast`` (the same hooks as ``initialize``). **O0**: plain FSDP2.
+- **FP8** (``fp8='tensorwise'`` or another recipe, at O1-O3): the policy's FP8 layers become
+  ``Fp8Linear`` before sharding, and their weights are all-gathered in FP8 with one scale per
+  weight, computed once per all-gather (`mixprec.distributed.fp8`: half the bytes of a bf16
+  gather); their amax histories agree across ranks.
 
 Costs: each normalization layer is a unit: one small all-gather in forward and one small
 reduce-scatter in backward per norm layer. Norm units keep their (tiny) unsharded parameters
@@ -42,8 +46,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.distributed.fp8 import shard_weights_in_fp8
 from mixprec.distributed.topology import DistributedError, fsdp_modules
 from mixprec.errors import format_options
+from mixprec.fp8.convert import to_fp8
 from mixprec.levels.model import NORM_LAYERS, AmpHooks, amp_hooks, cast_model
 from mixprec.levels.presets import AmpOptions, OptLevel, resolve
 
@@ -52,7 +58,7 @@ __all__ = ["MODEL_OPTIONS", "fully_shard", "sharded_options"]
 #: Apex option names that shape the model (the scaler's options belong to ``initialize``).
 MODEL_OPTIONS = (
     "cast_model_type", "patch_torch_functions", "keep_batchnorm_fp32", "master_weights",
-    "cast_model_outputs", "policy",
+    "cast_model_outputs", "policy", "fp8",
 )  # fmt: skip
 
 Units = Iterable[type[nn.Module]] | Callable[[str, nn.Module], bool]
@@ -117,7 +123,8 @@ def fully_shard(
             ``offload_policy``, ``shard_placement_fn``, ``ignored_params``, ...), applied to
             every unit, and the model-side opt-level options of ``initialize``
             (``keep_batchnorm_fp32``, ``cast_model_outputs``, ``cast_model_type``,
-            ``master_weights``, ``patch_torch_functions``, ``policy``).
+            ``master_weights``, ``patch_torch_functions``, ``policy``, and ``fp8``: a recipe,
+            whose layers all-gather their weights in FP8; see the module docstring).
 
     Returns:
         `module`, sharded in place (an ``FSDPModule``). Build the optimizer over
@@ -173,10 +180,15 @@ def fully_shard(
     low_model = options.cast_model_type not in (None, torch.float32)
     fp32 = torch.float32
     keep_norms = low_model and options.keep_batchnorm_fp32
+    if options.fp8 is not None:
+        to_fp8(module, options.fp8, options.policy,
+               amax_group=_amax_group(fsdp_kwargs.get("mesh")))  # fmt: skip
     if low_model and not options.master_weights:  # O3: the shards themselves are low precision
         cast_model(module, low, keep_norms)
     elif low_model:  # O2: parameters stay fp32 (the masters); buffers follow unsharded O2
         _cast_buffers(module, low, keep_norms)
+    if options.fp8 is not None:
+        shard_weights_in_fp8(module)
     gather = low if (low_model and options.master_weights) else None
     reduce = fp32 if low_model else None
     norm_policy = Policy(param_dtype=fp32, reduce_dtype=fp32, output_dtype=low)
@@ -206,6 +218,16 @@ def fully_shard(
     return module
 
 
+def _amax_group(mesh: Any) -> Any:
+    """The group FP8 histories agree across: the mesh's (its whole world if it has several
+    dimensions), or without a mesh FSDP2's default, every rank."""
+    import torch.distributed as dist
+
+    if mesh is None or mesh.ndim != 1:
+        return dist.group.WORLD
+    return mesh.get_group()
+
+
 def _where(name: str) -> str:
     return f"submodule {name!r}" if name else "the model"
 
@@ -217,6 +239,10 @@ def _cast_buffers(module: nn.Module, dtype: torch.dtype, keep_norms: bool) -> No
         if keep_norms and isinstance(m, NORM_LAYERS)
         for b in m.buffers(recurse=False)
     }
+    for m in module.modules():  # state a module keeps in fp32 (FP8 scales and histories)
+        for name in getattr(m, "mixprec_fp32_buffers", ()):
+            if m._buffers.get(name) is not None:
+                skip.add(id(m._buffers[name]))
     with torch.no_grad():
         for b in module.buffers():
             if b.is_floating_point() and id(b) not in skip and b.dtype != dtype:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec._compat import local_tensor
+from mixprec.distributed.fp8 import plain_local
 
 __all__ = ["CATEGORIES", "rank_bytes"]
 
@@ -63,7 +63,7 @@ def rank_bytes(model: nn.Module, optimizer: Any, scaler: Any = None) -> dict[str
 def _bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
     total = 0
     for t in tensors:
-        storage = local_tensor(t).untyped_storage()
+        storage = plain_local(t).untyped_storage()  # an FP8 shard: the storage it wraps
         key = storage.data_ptr()
         if key in seen or storage.nbytes() == 0:
             continue
