@@ -32,8 +32,9 @@ from torch.overrides import _pop_mode, _push_mode
 from mixprec.dtypes import parse_device_type, resolve_dtype
 from mixprec.eager.autocast import autocast
 from mixprec.eager.mode import AutocastMode
-from mixprec.errors import PolicyError
+from mixprec.errors import PolicyError, format_options
 from mixprec.graph.casts import CAST_MODES, CastReport, minimise_casts
+from mixprec.graph.kernels import KERNEL_MODES, KernelChoice, choose_kernels
 from mixprec.graph.trace import trace_with_policy
 from mixprec.policy.categories import OpCategory
 from mixprec.policy.policy import Policy, as_policy
@@ -53,13 +54,20 @@ class AmpBackend:
             ``'eager'``) or a backend callable.
         casts: ``'exact'``, ``'minimal'`` or ``'off'``: the cast-minimising pass (see
             `mixprec.graph.casts`).
+        kernels: ``'auto'`` (measure each low-precision matmul, convolution and attention on
+            this machine, natively and in fp32 on the same low-precision values, and keep the
+            faster: CPUs without 16-bit units run the latter far faster), ``'native'`` or
+            ``'fp32'`` (see `mixprec.graph.kernels`).
 
     Attributes:
         reports: one `CastReport` per compiled graph (casts and bytes before and after, the
             reason for each remaining cast, every aten op with its category and reason).
+        kernel_choices: one `KernelChoice` per heavy low-precision op compiled (its route and
+            the timings that chose it).
 
-    Costs: at compile time, one extra trace of each graph; at run time, nothing beyond the
-    compiled graph itself. No host-device synchronisation.
+    Costs: at compile time, one extra trace of each graph, and with ``kernels='auto'`` on a CPU
+    a timing of each distinct heavy op (a fraction of a second each, cached per process); at
+    run time, nothing beyond the compiled graph itself. No host-device synchronisation.
     """
 
     def __init__(
@@ -69,8 +77,13 @@ class AmpBackend:
         device_type: str | None = None,
         backend: str | Callable[..., Any] = "inductor",
         casts: str = "exact",
+        kernels: str = "auto",
     ) -> None:
         policy = as_policy(policy)
+        if kernels not in KERNEL_MODES:
+            raise PolicyError(
+                f"unknown kernels mode {kernels!r}; valid: {format_options(KERNEL_MODES)}."
+            )
         if casts not in CAST_MODES:
             minimise_casts(fx.GraphModule({}, fx.Graph()), casts, _none, _none)  # the error
         if not (isinstance(backend, str) or callable(backend)):
@@ -85,13 +98,16 @@ class AmpBackend:
         self.dtype = dtype
         self.backend = backend
         self.casts = casts
+        self.kernels = kernels
         self.reports: list[CastReport] = []
+        self.kernel_choices: list[KernelChoice] = []
         _keep_functions_whole(policy)
 
     def __repr__(self) -> str:
         return (
             f"mixprec.AmpBackend(policy={self.policy!r}, dtype={self.dtype!r}, "
-            f"device_type={self.device_type!r}, backend={self.backend!r}, casts={self.casts!r})"
+            f"device_type={self.device_type!r}, backend={self.backend!r}, casts={self.casts!r}, "
+            f"kernels={self.kernels!r})"
         )
 
     def region(self, example_inputs: list[Any]) -> tuple[str, torch.dtype]:
@@ -124,6 +140,7 @@ class AmpBackend:
         needs_grad = [isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs]
         report = minimise_casts(traced, self.casts, category, reason, len(self.reports), needs_grad)
         self.reports.append(report)
+        self.kernel_choices += choose_kernels(traced, device, self.kernels)
         if inner == "eager":
             return _without_torch_autocast(traced)
         # The graph carries every cast the policy wants: torch's own (dispatcher-level) autocast
@@ -151,6 +168,15 @@ class AmpBackend:
         warnings.warn(f"mixprec.compile: graph {len(self.reports)} {why}.", stacklevel=2)
         self.reports.append(CastReport(len(self.reports), "region", 0, 0, note=why))
         return gm if inner == "eager" else inner(gm, example_inputs)
+
+    def kernel_summary(self) -> str:
+        """How each heavy low-precision op was computed, and why, as text."""
+        if not self.kernel_choices:
+            return "no heavy low-precision op measured (kernels='native', a GPU, or none yet)"
+        counts: dict[str, int] = {}
+        for choice in self.kernel_choices:  # one line per distinct op, shapes and decision
+            counts[str(choice)] = counts.get(str(choice), 0) + 1
+        return "\n".join(f"{n} x {line}" if n > 1 else line for line, n in counts.items())
 
     def summary(self) -> str:
         """All graphs' cast reports as text."""
@@ -236,6 +262,7 @@ def compile(
     device_type: str | None = None,
     backend: str | Callable[..., Any] = "inductor",
     casts: str = "exact",
+    kernels: str = "auto",
     **compile_kwargs: Any,
 ) -> Any:
     """``torch.compile`` with the policy applied to every captured graph (see `AmpBackend`).
@@ -253,6 +280,8 @@ def compile(
         device_type: the device type of the region (default: that of the first floating input).
         backend: the backend that compiles the result (``'inductor'``, ``'aot_eager'``, ...).
         casts: ``'exact'``, ``'minimal'`` or ``'off'`` (see `AmpBackend`).
+        kernels: ``'auto'``, ``'native'`` or ``'fp32'``: how heavy low-precision ops are
+            computed on a CPU (see `AmpBackend`).
         compile_kwargs: passed to ``torch.compile`` (``fullgraph``, ``dynamic``, ``mode``...).
 
     Returns:
@@ -265,7 +294,7 @@ def compile(
         >>> loss = step(x, y)        # the loss in fp32, the matmuls in bf16, backward alike
     """
     amp = AmpBackend(policy=policy, dtype=dtype, device_type=device_type, backend=backend,
-                     casts=casts)  # fmt: skip
+                     casts=casts, kernels=kernels)  # fmt: skip
     compiled = torch.compile(model_or_fn, backend=amp, **compile_kwargs)
     if isinstance(model_or_fn, torch.nn.Module):
         state = _Region(amp, model_or_fn)
