@@ -59,3 +59,11 @@ def tiny_net() -> torch.nn.Module:
     torch.manual_seed(1)
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Tanh(),
                                torch.nn.Linear(16, 4))  # fmt: skip
+
+
+def uncompiled_step(*args: Any, **kwargs: Any) -> mixprec.TrainStep:
+    """A TrainStep that runs its step uncompiled (or, given a stand-in capture backend, captures
+    the uncompiled step), as CUDA does by default: for tests of the eager and captured paths on
+    a CPU, where TrainStep compiles the whole step by default."""
+    kwargs.setdefault("compile", False)
+    return mixprec.TrainStep(*args, **kwargs)

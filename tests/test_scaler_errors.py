@@ -298,10 +298,10 @@ def test_amp_optimizer_load_errors_point_at_the_right_object():
         ({"clip_grad_norm": True}, "clip_grad_norm=True must be a positive number or None."),
         ({"capture": "cuda-graph"},
          "unknown capture mode 'cuda-graph'. Did you mean 'cuda_graph'? Valid modes: 'auto', "
-         "'cuda_graph' or 'eager'."),
+         "'compile', 'cuda_graph' or 'eager'."),
         ({"compile": "max-autotune"},
-         "TrainStep compile='max-autotune' must be True, False or a dict of torch.compile "
-         "arguments, e.g. compile={'mode': 'max-autotune'}."),
+         "TrainStep compile='max-autotune' must be None (automatic), True, False or a dict of "
+         "torch.compile arguments, e.g. compile={'mode': 'max-autotune'}."),
         ({"loss_fn": "mse"},
          "TrainStep loss_fn='mse' is not callable: pass a function, e.g. "
          "loss_fn=torch.nn.functional.cross_entropy."),

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import mixprec
-from tests.helpers import no_host_reads
+from tests.helpers import no_host_reads, uncompiled_step
 from tests.replay_backend import KernelReplay, install
 
 INF = float("inf")
@@ -340,8 +340,8 @@ def test_trainstep_replays_read_the_device_lr_and_the_count_ignores_skips():
                                     torch.nn.Linear(16, 4))  # fmt: skip
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
         sched = SCHEDULES["warmup-then-cosine"](opt)
-        step = mixprec.TrainStep(model, opt, F.cross_entropy, dtype="fp16", warmup=1,
-                                 capture=capture)  # fmt: skip
+        step = uncompiled_step(model, opt, F.cross_entropy, dtype="fp16", warmup=1,
+                               capture=capture)  # fmt: skip
         return model, step, mixprec.SkipAwareLR(sched, step.scaler, horizon=8)
 
     ref_model, ref_step, ref_sched = build("eager")

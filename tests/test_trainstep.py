@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_unflatten
 import mixprec
 from mixprec.levels.model import amp_hooks
 from mixprec.step import graphs
+from tests.helpers import uncompiled_step
 
 STEPS = 50
 OVERFLOWS = {3, 4, 17, 30}  # steps whose input holds an inf
@@ -75,9 +76,9 @@ def o1_fp16_pair(make_opt, clip, **step_kw):
     ref = _plain_loop(ref_model, make_opt(ref_model.parameters()), ref_scaler, batches,
                       torch.float16, clip)  # fmt: skip
     model = _model()
-    step = mixprec.TrainStep(model, make_opt(model.parameters()), F.cross_entropy, dtype="fp16",
-                             scaler=mixprec.GradScaler("cpu", growth_interval=5),
-                             clip_grad_norm=clip, **step_kw)  # fmt: skip
+    step = uncompiled_step(model, make_opt(model.parameters()), F.cross_entropy, dtype="fp16",
+                           scaler=mixprec.GradScaler("cpu", growth_interval=5),
+                           clip_grad_norm=clip, **step_kw)  # fmt: skip
     return batches, ref, ref_model, ref_scaler, model, step
 
 
@@ -121,8 +122,8 @@ def test_default_scaler_of_the_opt_level_matches_torch_defaults():
     ref = _plain_loop(ref_model, torch.optim.SGD(ref_model.parameters(), lr=0.05), ref_scaler,
                       batches, torch.float16)  # fmt: skip
     model = _model()
-    step = mixprec.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05),
-                             F.cross_entropy, dtype=torch.float16)  # fmt: skip
+    step = uncompiled_step(model, torch.optim.SGD(model.parameters(), lr=0.05),
+                           F.cross_entropy, dtype=torch.float16)  # fmt: skip
     assert _same([step(x, y) for x, y in batches], ref)
     assert step.scaler.get_scale() == ref_scaler.get_scale() == 2.0**15
 
@@ -143,8 +144,8 @@ def test_o2_step_equals_initialize_and_scale_loss():
         ref.append(loss.detach())
 
     model = _model()
-    step = mixprec.TrainStep(model, torch.optim.Adam(model.parameters(), lr=1e-2), F.cross_entropy,
-                             opt_level="O2", dtype="fp16")  # fmt: skip
+    step = uncompiled_step(model, torch.optim.Adam(model.parameters(), lr=1e-2), F.cross_entropy,
+                           opt_level="O2", dtype="fp16")  # fmt: skip
     assert _same([step(x, y) for x, y in batches], ref)
     assert _params_equal(model, ref_model)
     assert model[0].weight.dtype == torch.float16 and model[1].weight.dtype == torch.float32
@@ -156,8 +157,8 @@ def test_bf16_o1_without_scaler_and_o3():
     batches = _batches(10, overflows=())
     for level in ("O1", "O3"):
         model = _model()
-        step = mixprec.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                 F.cross_entropy, opt_level=level)  # fmt: skip
+        step = uncompiled_step(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               F.cross_entropy, opt_level=level)  # fmt: skip
         assert step.scaler is None and step.options.dtype == torch.bfloat16
         x, y = batches[0]
         losses = [step(x, y) for _ in range(10)]  # one batch, ten steps: it must fit it
@@ -174,7 +175,7 @@ def test_bf16_o1_without_scaler_and_o3():
         opt.step()
         ref.append(loss.detach())
     model = _model()
-    step = mixprec.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy)
+    step = uncompiled_step(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy)
     assert _same([step(x, y) for x, y in batches], ref)
 
 
@@ -201,8 +202,8 @@ def test_compute_loss_and_lr_scheduler():
         ref.append(loss.detach())
 
     model = _model()
-    step = mixprec.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                             compute_loss=compute, dtype="fp16")  # fmt: skip
+    step = uncompiled_step(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                           compute_loss=compute, dtype="fp16")  # fmt: skip
     sched = torch.optim.lr_scheduler.StepLR(step.optimizer, step_size=3, gamma=0.5)
     losses = []
     for x, y in batches:
@@ -219,8 +220,8 @@ def test_save_and_resume_continues_bitwise():
 
     def make():
         model = _model()
-        return mixprec.TrainStep(model, torch.optim.Adam(model.parameters(), lr=1e-2),
-                                 F.cross_entropy, opt_level="O2", dtype="fp16")  # fmt: skip
+        return uncompiled_step(model, torch.optim.Adam(model.parameters(), lr=1e-2),
+                               F.cross_entropy, opt_level="O2", dtype="fp16")  # fmt: skip
 
     full = make()
     expected = [full(x, y) for x, y in batches]
@@ -236,8 +237,8 @@ def test_save_and_resume_continues_bitwise():
 
 def test_bad_state_dict_is_refused_and_changes_nothing():
     model = _model()
-    step = mixprec.TrainStep(model, torch.optim.Adam(model.parameters(), lr=1e-2),
-                             F.cross_entropy, dtype="fp16")  # fmt: skip
+    step = uncompiled_step(model, torch.optim.Adam(model.parameters(), lr=1e-2),
+                           F.cross_entropy, dtype="fp16")  # fmt: skip
     for x, y in _batches(3, overflows=()):
         step(x, y)
     good = step.state_dict()
@@ -264,40 +265,40 @@ def test_errors_say_what_to_do():
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(mixprec.PolicyError, match="exactly one of loss_fn"):
-        mixprec.TrainStep(model, opt)
-    with pytest.raises(mixprec.PolicyError, match="'auto', 'cuda_graph' or 'eager'"):
-        mixprec.TrainStep(model, opt, F.cross_entropy, capture="graph")
+        uncompiled_step(model, opt)
+    with pytest.raises(mixprec.PolicyError, match="'auto', 'compile', 'cuda_graph' or 'eager'"):
+        uncompiled_step(model, opt, F.cross_entropy, capture="graph")
     with pytest.raises(mixprec.PolicyError, match="warmup=0"):
-        mixprec.TrainStep(model, opt, F.cross_entropy, warmup=0)
+        uncompiled_step(model, opt, F.cross_entropy, warmup=0)
     with pytest.raises(mixprec.PolicyError, match="clip_grad_norm"):
-        mixprec.TrainStep(model, opt, F.cross_entropy, clip_grad_norm=-1)
+        uncompiled_step(model, opt, F.cross_entropy, clip_grad_norm=-1)
     with pytest.raises(mixprec.PolicyError, match="mixprec.GradScaler takes the same"):
-        mixprec.TrainStep(model, opt, F.cross_entropy, scaler=torch.amp.GradScaler("cpu"))
+        uncompiled_step(model, opt, F.cross_entropy, scaler=torch.amp.GradScaler("cpu"))
     untouched = _model()
     with pytest.raises(mixprec.TrainStepError, match="CUDA graphs need a CUDA device"):
-        mixprec.TrainStep(untouched, torch.optim.SGD(untouched.parameters(), lr=0.1),
-                          F.cross_entropy, opt_level="O2", capture="cuda_graph")  # fmt: skip
+        uncompiled_step(untouched, torch.optim.SGD(untouched.parameters(), lr=0.1),
+                        F.cross_entropy, opt_level="O2", capture="cuda_graph")  # fmt: skip
     # Refused before initialize: no hooks, weights still fp32.
     assert amp_hooks(untouched) is None and untouched[0].weight.dtype == torch.float32
     with pytest.raises(mixprec.PolicyError, match="unknown opt level"):
-        mixprec.TrainStep(_model(), torch.optim.SGD(_model().parameters(), lr=0.1),
-                          F.cross_entropy, opt_level="O4")  # fmt: skip
+        uncompiled_step(_model(), torch.optim.SGD(_model().parameters(), lr=0.1),
+                        F.cross_entropy, opt_level="O4")  # fmt: skip
 
     model = _model()
-    step = mixprec.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                             compute_loss=lambda m, x: m(x))  # fmt: skip
+    step = uncompiled_step(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                           compute_loss=lambda m, x: m(x))  # fmt: skip
     with pytest.raises(mixprec.TrainStepError, match="one-element tensor"):
         step(torch.randn(2, 8))
     model = _model()
-    step = mixprec.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy)
+    step = uncompiled_step(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy)
     with pytest.raises(mixprec.TrainStepError, match=r"step\(x, y\)"):
         step(torch.randn(2, 8))
 
 
 def test_eager_capture_mode_and_explain():
     model = _model()
-    step = mixprec.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                             F.cross_entropy, capture="eager")  # fmt: skip
+    step = uncompiled_step(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                           F.cross_entropy, capture="eager")  # fmt: skip
     x, y = _batches(1, overflows=())[0]
     loss = step(x, y)
     assert loss.shape == () and not loss.requires_grad
@@ -342,7 +343,7 @@ def _capturing(step: mixprec.TrainStep, **kw) -> _StandIn:
 def _sgd_step(**kw):
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    return mixprec.TrainStep(model, opt, F.cross_entropy, dtype="fp16", **kw)
+    return uncompiled_step(model, opt, F.cross_entropy, dtype="fp16", **kw)
 
 
 def test_warmup_then_capture_then_replay_on_new_batches():
@@ -440,10 +441,10 @@ def test_inputs_that_cannot_be_captured_run_eagerly_and_say_why():
     assert not step.captured and "requires grad" in step.reason
 
     model = _model()
-    other = mixprec.TrainStep(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), warmup=1,
-        compute_loss=lambda m, x, y, cfg: F.cross_entropy(m(x), y),
-    )  # fmt: skip
+    other = uncompiled_step(
+      model, torch.optim.SGD(model.parameters(), lr=0.1), warmup=1,
+      compute_loss=lambda m, x, y, cfg: F.cross_entropy(m(x), y),
+  )  # fmt: skip
     backend = _capturing(other)
     other(x, y, {"scale": 1.0, "tags": ("a", "b")})  # nested and hashable: part of the key
     other(x, y, {"scale": 1.0, "tags": ("a", "b")})
@@ -494,8 +495,8 @@ def test_on_skip_reports_replayed_overflows():
     events = []
     scaler = mixprec.GradScaler("cpu", on_skip=events.append, check_every=4)
     model = _model()
-    step = mixprec.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), F.cross_entropy,
-                             dtype="fp16", scaler=scaler, warmup=1)  # fmt: skip
+    step = uncompiled_step(model, torch.optim.SGD(model.parameters(), lr=0.05), F.cross_entropy,
+                           dtype="fp16", scaler=scaler, warmup=1)  # fmt: skip
     _capturing(step)
     for x, y in _batches(12, overflows={2, 9}):
         step(x, y)
@@ -515,7 +516,7 @@ def _frames(tb) -> list[str]:
 
 def test_a_batch_that_does_not_fit_gives_a_short_error_naming_element_shape_and_cause():
     model = _model()
-    step = mixprec.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy)
+    step = uncompiled_step(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy)
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(mixprec.TrainStepError) as info:
         step(torch.randn(16, 5), torch.randint(0, 4, (16,)))  # the model takes 8 features
@@ -540,8 +541,8 @@ def test_a_batch_that_does_not_fit_gives_a_short_error_naming_element_shape_and_
 
 def test_a_target_that_does_not_fit_names_the_models_output():
     model = _model()
-    step = mixprec.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy,
-                             opt_level="O2")  # fmt: skip
+    step = uncompiled_step(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy,
+                           opt_level="O2")  # fmt: skip
     with pytest.raises(mixprec.TrainStepError) as info:
         step(torch.randn(16, 8), torch.randint(0, 4, (15,)))
     message = str(info.value)
@@ -549,5 +550,5 @@ def test_a_target_that_does_not_fit_names_the_models_output():
     assert "The model's output: shape (16, 4), float32" in message
     assert "batch[1] (target): shape (15,), int64" in message
     with pytest.raises(mixprec.TrainStepError, match="compute_loss raised ValueError"):
-        mixprec.TrainStep(model, step.optimizer, compute_loss=lambda m, x, y: F.cross_entropy(
-            m(x), y))(torch.randn(16, 8), torch.randint(0, 4, (15,)))  # fmt: skip
+        uncompiled_step(model, step.optimizer, compute_loss=lambda m, x, y: F.cross_entropy(
+          m(x), y))(torch.randn(16, 8), torch.randint(0, 4, (15,)))  # fmt: skip

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import mixprec
+from tests.helpers import uncompiled_step
 from tests.replay_backend import install
 from tests.test_trainstep import OVERFLOWS, _batches, _model, _params_equal, _same, o1_fp16_pair
 
@@ -48,12 +49,12 @@ def test_replayed_o2_and_o3_steps_equal_their_eager_steps():
     for level, dtype in (("O2", "fp16"), ("O3", "bf16")):
         batches = _batches(24, overflows={9, 10} if dtype == "fp16" else set())
         eager_model, replay_model = _model(), _model()
-        eager = mixprec.TrainStep(eager_model, torch.optim.SGD(eager_model.parameters(),
-                                  lr=0.05, momentum=0.9), F.cross_entropy, opt_level=level,
-                                  dtype=dtype, capture="eager")  # fmt: skip
-        step = mixprec.TrainStep(replay_model, torch.optim.SGD(replay_model.parameters(),
-                                 lr=0.05, momentum=0.9), F.cross_entropy, opt_level=level,
-                                 dtype=dtype, warmup=1)  # fmt: skip
+        eager = uncompiled_step(eager_model, torch.optim.SGD(eager_model.parameters(),
+                                lr=0.05, momentum=0.9), F.cross_entropy, opt_level=level,
+                                dtype=dtype, capture="eager")  # fmt: skip
+        step = uncompiled_step(replay_model, torch.optim.SGD(replay_model.parameters(),
+                               lr=0.05, momentum=0.9), F.cross_entropy, opt_level=level,
+                               dtype=dtype, warmup=1)  # fmt: skip
         backend = install(step)
         ref = [eager(x, y) for x, y in batches]
         got = [step(x, y) for x, y in batches]
@@ -71,10 +72,10 @@ def test_a_host_read_in_the_step_refuses_capture_and_falls_back():
 
     batches = _batches(8, overflows=())
     ref_model, model = _model(), _model()
-    ref = mixprec.TrainStep(ref_model, torch.optim.SGD(ref_model.parameters(), lr=0.05),
-                            compute_loss=compute_loss, dtype="bf16", capture="eager")  # fmt: skip
-    step = mixprec.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05),
-                             compute_loss=compute_loss, dtype="bf16", warmup=1)  # fmt: skip
+    ref = uncompiled_step(ref_model, torch.optim.SGD(ref_model.parameters(), lr=0.05),
+                          compute_loss=compute_loss, dtype="bf16", capture="eager")  # fmt: skip
+    step = uncompiled_step(model, torch.optim.SGD(model.parameters(), lr=0.05),
+                           compute_loss=compute_loss, dtype="bf16", warmup=1)  # fmt: skip
     install(step)
     got = [step(x, y) for x, y in batches]
     assert _same(got, [ref(x, y) for x, y in batches])
@@ -89,9 +90,9 @@ def test_replay_of_a_new_input_shape_uses_its_own_graph():
                for n in shapes]  # fmt: skip
     ref_model, model = _model(), _model()
     ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.05, momentum=0.9)
-    ref = mixprec.TrainStep(ref_model, ref_opt, F.cross_entropy, dtype="fp16", capture="eager")
-    step = mixprec.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                             F.cross_entropy, dtype="fp16", warmup=1)  # fmt: skip
+    ref = uncompiled_step(ref_model, ref_opt, F.cross_entropy, dtype="fp16", capture="eager")
+    step = uncompiled_step(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                           F.cross_entropy, dtype="fp16", warmup=1)  # fmt: skip
     backend = install(step)
     got = [step(x, y) for x, y in batches]
     assert _same(got, [ref(x, y) for x, y in batches])
@@ -104,8 +105,8 @@ def test_replay_with_a_step_schedule_on_a_device_lr_recaptures_nothing():
     ref_model, model = _model(), _model()
     ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, fused=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-    ref = mixprec.TrainStep(ref_model, ref_opt, F.cross_entropy, dtype="fp16", capture="eager")
-    step = mixprec.TrainStep(model, opt, F.cross_entropy, dtype="fp16", warmup=1)
+    ref = uncompiled_step(ref_model, ref_opt, F.cross_entropy, dtype="fp16", capture="eager")
+    step = uncompiled_step(model, opt, F.cross_entropy, dtype="fp16", warmup=1)
     backend = install(step)
     step._prepare()  # what TrainStep does on a CUDA device: capturable settings, device lr
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=5, gamma=0.5)

@@ -146,8 +146,23 @@ def render_table(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
         "",
         "ms/step: median time of one training step (forward, loss, backward, optimizer).",
         "x fp32 / x torch.amp: speed-up over those rows of the same block (above 1 = faster).",
-        "peak MiB: peak GPU memory of a step.",
+        "peak MiB: peak memory of a step ("
+        + (
+            "torch.profiler's memory timeline of one extra step: CPU allocator events, "
+            "parameters and optimizer state included"
+            if rows and rows[0]["device"] == "cpu"
+            else "torch.cuda.max_memory_allocated"
+        )
+        + ").",
     ]
+    compiled = [r for r in rows if r.get("compile_s")]
+    if compiled:
+        lines += wrap.wrap(
+            "trainstep: the whole step compiled on a CPU (forward and loss under the policy, "
+            "backward, update), a CUDA graph on CUDA; compiling took "
+            + ", ".join(f"{r['compile_s']:.0f} s ({r['workload']})" for r in compiled)
+            + ", before the timed steps (inductor caches it on disk for the next run)."
+        )  # fmt: skip
     peaks = {k.removeprefix("peak_gflops_"): v for k, v in meta.items()
              if k.startswith("peak_gflops_")}  # fmt: skip
     if peaks:

@@ -1,10 +1,10 @@
 """Run workloads x variants side by side, within a time budget, and collect one row per pair.
 
 Per row: the median of the per-step times after warm-up (each step synchronized), peak memory
-(CUDA), the final loss, and the share of the device's peak matmul rate (the peak measured at the
-start of the same run, see `mixprec.bench.budget`; the step's matmul FLOPs counted by
-``torch.utils.flop_counter`` on meta tensors). Speed-ups compare rows of the same workload at
-the same size in the same run.
+(CUDA's allocator; on a CPU, torch's profiler: `mixprec.bench.memory`), the final loss, and the
+share of the device's peak matmul rate (the peak measured at the start of the same run, see
+`mixprec.bench.budget`; the step's matmul FLOPs counted by ``torch.utils.flop_counter`` on meta
+tensors). Speed-ups compare rows of the same workload at the same size in the same run.
 
 With a budget (the CPU default), each workload gets an equal share of the seconds left. The
 variants split into a class that multiplies in fp32 (fp32, tf32) and a 16-bit class (torch.amp,
@@ -32,6 +32,7 @@ from typing import Any, Protocol
 import torch
 
 from mixprec.bench.budget import Budget, Peak, measure_peak, rate_statement
+from mixprec.bench.memory import METHOD, cpu_peak_mib
 from mixprec.bench.variants import VARIANTS, Variant
 from mixprec.bench.workloads import WORKLOADS, Workload, WorkloadSize
 from mixprec.dtypes import dtype_name
@@ -81,6 +82,7 @@ class _Member:
     variant: Variant
     step: Callable[[], torch.Tensor]
     cleanup: Callable[[], None]
+    compile_s: float | None = None  # seconds spent compiling at build time (TrainStep)
     warm: list[float] = field(default_factory=list)  # untimed-for-the-table steps
     times: list[float] = field(default_factory=list)
     loss: torch.Tensor | None = None
@@ -141,7 +143,7 @@ class _Workload:
         extra = {} if self.dist is None else {"dist": self.dist}
         step, cleanup = variant.build(self.workload, self.ladder[level], self.device, self.dtype,
                                       **extra)  # fmt: skip
-        return _Member(variant, step, cleanup)
+        return _Member(variant, step, cleanup, getattr(step, "compile_s", None))
 
 
 def _start_level(w: _Workload, first: int, rate: float, allow: float) -> int:
@@ -241,6 +243,10 @@ def _time_block(
             # keeping a median of at least _FLOOR_STEPS, rather than overrun the budget.
             if not fixed and done >= _FLOOR_STEPS and time.perf_counter() > end:
                 break
+        if w.device == "cpu":  # one more step each, alone, under the profiler (bench.memory)
+            for m in members:
+                label(f"{where}: measuring {m.variant.name}'s peak memory")
+                m.peak_mib = cpu_peak_mib(m.step)
         for i, m in enumerate(members):
             m.close(w.device, collect=i == len(members) - 1)
         return members, n_warm, done
@@ -345,6 +351,7 @@ def run(
         "interleaved": interleave,
         "low_dtype": low.name,
         "low_vs_fp32_rate": low.flops_per_s / peaks["fp32"].flops_per_s,
+        "memory_method": METHOD if device == "cpu" else "torch.cuda.max_memory_allocated",
     }
     for n, p in peaks.items():  # flat keys: every JSON record carries them (pandas columns)
         info[f"peak_gflops_{n}"] = p.gflops
@@ -426,7 +433,7 @@ def _row(w: _Workload, variant: Variant, level: int, member: _Member | None, n_w
         "reason": "", "ms_per_step": None, "speedup_vs_fp32": None,
         "speedup_vs_torch_amp": None, "peak_memory_MiB": None, "final_loss": None,
         "pct_of_peak_matmul": None, "matmul_tflops": None, "flops_per_step": None,
-        "world_size": w.world_size,
+        "world_size": w.world_size, "compile_s": None,
     }  # fmt: skip
     if member is None:
         reason = variant.available(w.device, w.dtype)[1]
@@ -442,6 +449,7 @@ def _row(w: _Workload, variant: Variant, level: int, member: _Member | None, n_w
         flops_per_step=flops, matmul_tflops=flops / seconds / 1e12,
         pct_of_peak_matmul=100.0 * flops / seconds / ref.flops_per_s,
         peak_matmul_dtype=ref.name, device_peak_matmul_tflops=ref.flops_per_s / 1e12,
+        compile_s=member.compile_s,
     )  # fmt: skip
     return row
 

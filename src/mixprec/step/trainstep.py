@@ -1,17 +1,24 @@
-"""`TrainStep`: one mixed-precision training step as one call, captured as a CUDA graph when it can.
+"""`TrainStep`: one mixed-precision training step as one call: compiled, and on CUDA captured.
 
     step = mixprec.TrainStep(model, optimizer, torch.nn.functional.cross_entropy, opt_level="O1")
     for x, y in loader:
         loss = step(x, y)            # a device tensor; no host sync
-    print(step.captured, step.reason)
+    print(step.reason)
 
 A step is: zero the gradients, compute the loss (under the opt level: autocast for O1, a
 low-precision model for O2/O3), scale it, backward, unscale and check the gradients, optionally
-clip them, step the optimizer (skipped on the device on overflow), update the loss scale. On
-CUDA that whole sequence is recorded once per input signature and replayed (see
-`mixprec.step.graphs`); everywhere else, and whenever capture is impossible, the same code runs
-eagerly and `reason` says why. Captured and eager steps run the same kernels in the same order,
-so they produce the same numbers; there is no silent divergence to opt into.
+clip them, step the optimizer (skipped on the device on overflow), update the loss scale.
+
+- On a CPU (any device but CUDA) the whole step is compiled: the forward and the loss through
+  mixprec's graph pass, backward as AOTAutograd derives it, everything after backward as one
+  more graph (`mixprec.step.compiled`). Compiled and eager steps agree to a few fp32 ulps
+  (inductor fuses and reorders fp32 arithmetic); skips are exact.
+- On CUDA the step is recorded once per input signature as a CUDA graph and replayed (see
+  `mixprec.step.graphs`); with ``compile=True`` what is recorded is the compiled step.
+
+Whenever compiling or capturing is impossible, the same code runs eagerly and `reason` says why.
+Captured and eager steps run the same kernels in the same order, so they produce the same
+numbers; there is no silent divergence to opt into.
 """
 
 from __future__ import annotations
@@ -35,18 +42,25 @@ from mixprec.levels.optimizer import AmpOptimizer
 from mixprec.scaling.scaler import GradScaler
 from mixprec.step import graphs
 from mixprec.step.batch import BatchError, TrainStepError, batch_message, loss_from, trim
+from mixprec.step.compiled import CountingBackend, StepUpdate, own_code, tensor_lr
 from mixprec.step.graphs import Fingerprint, StepGraph
 
 __all__ = ["CAPTURE_MODES", "BatchError", "TrainStep"]
 
 #: Values of ``capture``: what each does.
 CAPTURE_MODES = {
-    "auto": "capture on CUDA when the step allows it, run eagerly otherwise (and say why)",
+    "auto": "on CUDA, capture a CUDA graph when the step allows it; on other devices, compile "
+    "the whole step; else run eagerly (and say why)",
     "cuda_graph": "capture on CUDA; raise an error if the step cannot be captured",
-    "eager": "never capture (the same step, run op by op)",
+    "compile": "compile the whole step with torch.compile on any device (no CUDA graph); raise "
+    "an error if it cannot be compiled",
+    "eager": "never capture; compile only if compile=True asks (else the same step, op by op)",
 }
 
 FORMAT = "mixprec.TrainStep/1"
+
+#: Changes of a baked-in hyperparameter after which the update runs eagerly instead.
+_CHURN = 4
 
 
 class TrainStep:
@@ -68,12 +82,16 @@ class TrainStep:
             scale bf16 losses, or to set hysteresis and bounds).
         clip_grad_norm: clip the unscaled gradients (fp32 masters in O2) to this total norm
             inside the step; None: no clipping.
-        capture: ``'auto'``, ``'cuda_graph'`` or ``'eager'`` (see `CAPTURE_MODES`).
-        compile: compile the model and the loss as one graph with ``torch.compile`` (a dict is
-            passed to it as keyword arguments). Under O1 the opt level's policy is applied to
-            the whole captured graph (`mixprec.AmpBackend`; the dict may also name the inner
-            ``backend`` and the ``casts`` mode), so the loss follows the policy too. Combines
-            with capture.
+        capture: ``'auto'``, ``'cuda_graph'``, ``'compile'`` or ``'eager'`` (see
+            `CAPTURE_MODES`).
+        compile: compile the step with ``torch.compile``. None (the default): the whole step
+            where it is compiled by default (``capture`` ``'auto'`` or ``'compile'`` off CUDA),
+            nothing otherwise. True: also on CUDA, where the compiled step is what the CUDA
+            graph records. False: never. A dict is passed to ``torch.compile`` as keyword
+            arguments (``mode``, ``options``, ``dynamic``); it may also name the inner
+            ``backend`` and, under O1, the ``casts`` mode of `mixprec.AmpBackend`, which
+            applies the opt level's policy to the whole forward graph, so the loss follows
+            the policy too.
         warmup: eager steps per input signature before capturing it, counted while the
             optimizer's hyperparameters stay unchanged (lazy initialisation, cuDNN autotuning
             and compilation happen there).
@@ -89,6 +107,9 @@ class TrainStep:
 
     Attributes:
         captured: whether the last call replayed a captured graph.
+        compiled: whether the last call ran the compiled step (forward, backward and update).
+        graphs_compiled: graphs compiled so far (forward and update; it grows after the first
+            steps only when something dynamo guards on changes: a new input shape, say).
         reason: why the last call ran the way it did.
         notes: every automatic change made to the optimizer, with its reason.
         amp_backend: with ``compile`` under O1, the `mixprec.AmpBackend` compiling the step
@@ -110,7 +131,7 @@ class TrainStep:
         scaler: GradScaler | None = None,
         clip_grad_norm: float | None = None,
         capture: str = "auto",
-        compile: bool | dict[str, Any] = False,
+        compile: bool | dict[str, Any] | None = None,
         warmup: int = 2,
         max_graphs: int = 8,
         ddp: bool | dict[str, Any] = False,
@@ -142,10 +163,15 @@ class TrainStep:
                 + (f" Did you mean {close[0]!r}?" if close else "")
                 + f" Valid modes: {format_options(CAPTURE_MODES)}."
             )
-        if not isinstance(compile, (bool, dict)):
+        if not (compile is None or isinstance(compile, (bool, dict))):
             raise PolicyError(
-                f"TrainStep compile={compile!r} must be True, False or a dict of torch.compile "
-                f"arguments, e.g. compile={{'mode': {compile!r}}}."
+                f"TrainStep compile={compile!r} must be None (automatic), True, False or a dict "
+                f"of torch.compile arguments, e.g. compile={{'mode': {compile!r}}}."
+            )
+        if capture == "compile" and compile is False:
+            raise PolicyError(
+                "TrainStep capture='compile' asks for a compiled step, and compile=False forbids "
+                "one: drop one of them."
             )
         for name, value in (("warmup", warmup), ("max_graphs", max_graphs)):
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
@@ -167,6 +193,11 @@ class TrainStep:
             )
 
         device = _model_device(model)
+        whole = compile is not False and (
+            capture == "compile"
+            or bool(compile)
+            or (compile is None and capture == "auto" and device.type != "cuda")
+        )
         if capture == "cuda_graph" and device.type != "cuda":  # before initialize changes it
             raise TrainStepError(
                 f"capture='cuda_graph' cannot be honoured: CUDA graphs need a CUDA device and "
@@ -203,9 +234,37 @@ class TrainStep:
         self._clip = None if clip_grad_norm is None else float(clip_grad_norm)
         self._user_loss = loss_from(loss_fn, compute_loss)
         self.amp_backend: Any = None
-        self._loss = self._build_loss(compile)
+        self._forward_backend: CountingBackend | None = None
         self._device = device
         self.notes: list[str] = []
+        # The whole step compiled: forward and loss here, everything after backward in
+        # `StepUpdate` (built now, compiled at its first call, after the warm-up step).
+        compile_kwargs = dict(compile) if isinstance(compile, dict) else {}
+        self._compile_blocked: str | None = None
+        if whole and (isinstance(model, DistributedDataParallel) or is_initialized()):
+            self._compile_blocked = (
+                "running eagerly: the step runs collectives (DDP's gradient all-reduce, the "
+                "scaler's agreement across ranks), which the compiled step does not place yet"
+            )
+            if capture == "compile":
+                raise TrainStepError(
+                    self._compile_blocked.replace("running eagerly: ", "cannot compile: ")
+                )
+            whole = False
+        self._loss = self._build_loss(compile_kwargs if whole else compile)
+        self._eager_loss = self._build_loss(False) if whole else self._loss
+        self._update: StepUpdate | None = None
+        self._compile_checked = False
+        self._hyper: Fingerprint | None = None  # hyperparameters at the last compiled update
+        self._hyper_changes = 0
+        self.compiled = False
+        if whole:
+            update_kwargs = {
+                k: v for k, v in compile_kwargs.items() if k not in ("casts", "kernels")
+            }
+            self._update = StepUpdate(optimizer, self._clip, update_kwargs)
+            for note in tensor_lr(optimizer.optimizer):
+                self.notes.append(note)
         if isinstance(model, DistributedDataParallel) and warmup < ddp_rules.DDP_WARMUP:
             warmup = ddp_rules.DDP_WARMUP
             self.notes.append(
@@ -235,6 +294,8 @@ class TrainStep:
         collectives = self._collectives()
         if capture == "eager":
             return "running eagerly: capture='eager' was requested"
+        if self._device.type != "cuda" and self._compile_blocked is not None:
+            return self._compile_blocked
         if self._device.type != "cuda":
             return (
                 f"running eagerly: CUDA graphs need a CUDA device and the model is on "
@@ -252,7 +313,7 @@ class TrainStep:
         """How the step's collectives run, for reasons and explain() (empty when single-process)."""
         return ddp_rules.describe_collectives(self.model, self.optimizer, self._device)
 
-    def _build_loss(self, compile: bool | dict[str, Any]) -> Callable[..., torch.Tensor]:
+    def _build_loss(self, compile: Any) -> Callable[..., torch.Tensor]:
         opts = self.options
         user = self._user_loss
         model: Any = self.model
@@ -260,22 +321,25 @@ class TrainStep:
         def plain(*batch: Any) -> torch.Tensor:
             return user(model, *batch)
 
-        if compile:
+        if compile or isinstance(compile, dict):
             # Model and loss in one compiled graph. O1 applies its policy to the whole captured
-            # graph (mixprec.graph), losses included, which no function mode would see there.
+            # graph (mixprec.graph), losses included, which no function mode would see there;
+            # mixprec.compile runs each call in the policy's region too, so that code dynamo
+            # leaves to Python (a graph break) still follows the policy.
             kwargs = dict(compile) if isinstance(compile, dict) else {}
+            kwargs.setdefault("dynamic", False)  # one graph per input signature, like capture
+            forward = own_code(plain, "mixprec_trainstep_forward")
             if opts.patch_torch_functions:
-                from mixprec.graph.backend import AmpBackend
+                from mixprec.graph.backend import compile as amp_compile
 
-                self.amp_backend = AmpBackend(
-                    policy=opts.policy,
-                    dtype=opts.dtype,
-                    device_type=opts.device_type,
-                    backend=kwargs.pop("backend", "inductor"),
-                    casts=kwargs.pop("casts", "exact"),
-                )
-                return torch.compile(plain, backend=self.amp_backend, **kwargs)
-            return torch.compile(plain, **kwargs)
+                compiled = amp_compile(forward, policy=opts.policy, dtype=opts.dtype,
+                                       device_type=opts.device_type, **kwargs)  # fmt: skip
+                self.amp_backend = compiled.mixprec_backend
+                return compiled
+            kwargs.pop("kernels", None)  # O2/O3: the model's own dtypes, nothing to choose
+            kwargs.pop("casts", None)
+            self._forward_backend = CountingBackend(kwargs.pop("backend", "inductor"))
+            return torch.compile(forward, backend=self._forward_backend, **kwargs)
         if opts.patch_torch_functions:  # O1: the loss too runs under autocast, as in the loop
             from mixprec.eager.autocast import autocast
 
@@ -290,9 +354,14 @@ class TrainStep:
 
     def _body(self, *batch: Any) -> torch.Tensor:
         opt = self.optimizer
-        opt.zero_grad(set_to_none=True)
+        update = self._compiled_path()
+        if update is not None:
+            update.zero_grad()
+        else:
+            opt.zero_grad(set_to_none=True)
+        forward = self._eager_loss if watcher_of(self.model) is not None else self._loss
         try:
-            loss = self._loss(*batch)
+            loss = forward(*batch)
         except MixprecError:
             raise
         except Exception as err:  # the user's model or loss: say which batch element and why
@@ -306,6 +375,18 @@ class TrainStep:
                 + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
                 + ". Reduce it (e.g. .mean()) in loss_fn or compute_loss."
             )
+        if update is not None:
+            # Backward through the compiled forward's own backward, then the rest of the step
+            # as one compiled graph (`StepUpdate`), or eagerly when this step creates optimizer
+            # state: the same operations as below either way.
+            scaler = opt.scaler
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            self.compiled = update.ready() and self._update_allowed()
+            if self.compiled:
+                update()
+            else:
+                update.eager()
+            return loss.detach()
         with scale_loss(loss, opt) as scaled:
             scaled.backward()
         if self._clip is not None:
@@ -315,6 +396,58 @@ class TrainStep:
         # start of the next, where initialize's deferred update would put it.
         opt._scaling.flush()
         return loss.detach()
+
+    def _compiled_path(self) -> StepUpdate | None:
+        """The `StepUpdate` when this step takes the compiled path, else None (all eager)."""
+        update = self._update
+        if update is None or self._compile_blocked is not None:
+            return None
+        if watcher_of(self.model) is not None:
+            return None
+        return update
+
+    def _update_allowed(self) -> bool:
+        """`StepUpdate.blocker`, asked once, when the optimizer's state first exists (what it
+        checks, such as state kept as Python numbers, only shows then); then, every step,
+        whether a hyperparameter the graph bakes in keeps changing."""
+        if self._compile_checked:
+            if self._compile_blocked is not None:
+                return False
+            why = self._hyperparameter_churn()
+        else:
+            self._compile_checked = True
+            why = StepUpdate.blocker(self.optimizer)
+        if why is None:
+            return True
+        self._compile_blocked = (
+            f"compiled forward and backward, eager update: {why}, so the update after backward "
+            f"cannot be compiled (its operations run one at a time)"
+        )
+        if self.capture_mode == "compile":
+            raise TrainStepError(f"cannot compile the step: {why}.")
+        return False
+
+    def _hyperparameter_churn(self) -> str | None:
+        """Why the update should stop being compiled: a hyperparameter held as a Python number
+        (betas cycled by OneCycleLR, say) changed more often than recompiling is worth.
+
+        Each change recompiles the update (dynamo guards on the value); past its limit of 8
+        graphs dynamo would run the update uncompiled without telling. Cost: a pass over the
+        param groups' entries (microseconds).
+        """
+        inner = self.optimizer.optimizer
+        now = graphs.fingerprint(inner, self.model, None)
+        before, self._hyper = self._hyper, now
+        if before is None or before.hyperparameters == now.hyperparameters:
+            return None
+        self._hyper_changes += 1
+        if self._hyper_changes < _CHURN:
+            return None
+        return (
+            f"{before.diff(now)} changed in {self._hyper_changes} steps, and the compiled update "
+            f"bakes Python numbers in (each change compiles it again); hold the value in a "
+            f"0-dim tensor or keep it fixed to compile the update"
+        )
 
     def __call__(self, *batch: Any) -> torch.Tensor:
         """Run one training step on `batch`; return the (unscaled) loss as a device tensor.
@@ -332,6 +465,9 @@ class TrainStep:
 
     def _call(self, batch: tuple[Any, ...]) -> torch.Tensor:
         self.calls += 1
+        self.compiled = False
+        if self._update is not None and (self._device.type != "cuda" or self._blocked):
+            return self._compiled_call(batch)
         if self._blocked is not None:
             return self._eager(batch, self._blocked)
         if watcher_of(self.model) is not None:
@@ -382,6 +518,64 @@ class TrainStep:
         )
         self._note_replayed_update()
         return loss
+
+    def _compiled_call(self, batch: tuple[Any, ...]) -> torch.Tensor:
+        """A step of the compiled path (no CUDA graph): compiled, or eager with the reason."""
+        compiles = self.graphs_compiled
+        loss = self._eager(batch, "")
+        if self.compiled:
+            what = ("compiled the whole step and ran it" if self.graphs_compiled > compiles
+                    else "ran the compiled step")  # fmt: skip
+            self.reason = f"{what}: {self._compiled_summary()}"
+        elif watcher_of(self.model) is not None:
+            self.reason = (
+                "running eagerly: a mixprec.watch_nonfinite is active on the model, and its "
+                "hooks run Python on every call, which compiled code would trace once"
+            )
+        elif self._compile_blocked is not None:
+            self.reason = self._compile_blocked
+        else:
+            self.reason = (
+                "compiled forward and backward, eager update: this step creates optimizer state "
+                "(decided on the host, so that a skipped first step creates none); the update "
+                "is compiled from the next step"
+            )
+        return loss
+
+    def _compiled_summary(self) -> str:
+        level = self.options.level.value
+        forward = (
+            f"forward and loss under the {level} policy"
+            if self.options.patch_torch_functions
+            else f"forward and loss ({level} model)"
+        )
+        parts = [forward, "backward"]
+        if self.optimizer._low:
+            parts.append("gradients into the fp32 masters")
+        if self.optimizer.scaler is not None and self.optimizer.scaler.is_enabled():
+            parts.append("unscale and overflow check")
+        if self._clip is not None:
+            parts.append(f"clipping to norm {self._clip:g}")
+        name = type(self.optimizer.optimizer).__name__
+        parts.append(f"{name} with an exact skip on overflow"
+                     if self.optimizer.scaler is not None and self.optimizer.scaler.is_enabled()
+                     else name)  # fmt: skip
+        if self.optimizer._low:
+            parts.append("masters copied into the model")
+        if self.optimizer.scaler is not None and self.optimizer.scaler.is_enabled():
+            parts.append("scale update")
+        return ", ".join(parts) + f" ({self.graphs_compiled} graphs compiled so far)"
+
+    @property
+    def graphs_compiled(self) -> int:
+        """Graphs compiled for this step so far: forward graphs and update graphs (a count that
+        grows after warm-up means recompilation: a new input shape, or a changed setting)."""
+        forward = (
+            len(self.amp_backend.reports)
+            if self.amp_backend is not None
+            else (self._forward_backend.compiles if self._forward_backend is not None else 0)
+        )
+        return forward + (self._update.compiles if self._update is not None else 0)
 
     def _note_replayed_update(self) -> None:
         scaler = self.optimizer.scaler
@@ -472,14 +666,29 @@ class TrainStep:
         return self.optimizer.scaler
 
     def explain(self) -> str:
-        """How this step runs: opt level, capture state and reason, automatic changes."""
+        """How this step runs: opt level, compilation and capture state with the reasons,
+        the kernel chosen for each heavy op, automatic changes."""
+        how = "captured" if self.captured else "compiled" if self.compiled else "eager"
         lines = [
             f"TrainStep: {self.options.level.value}, {str(self.options.dtype).split('.')[-1]} on "
             f"{self._device}, capture={self.capture_mode!r}",
             f"  calls: {self.calls}, captures: {self.captures}, cached graphs: "
             f"{len(self._graphs)} of {self._max_graphs}",
-            f"  last call: {'captured' if self.captured else 'eager'}: {self.reason}",
+            f"  last call: {how}: {self.reason}",
         ]
+        if self._update is not None:
+            update = self._update
+            forward = self.graphs_compiled - update.compiles
+            lines.append(
+                f"  compiled graphs: {self.graphs_compiled} ({forward} forward+loss, whose "
+                f"backward AOTAutograd compiles with it; {update.compiles} for the update after "
+                f"backward{'' if update.split is None else ': ' + update.split})"
+            )
+            if self._compile_blocked is not None:
+                lines.append(f"  not compiled: {self._compile_blocked}")
+        if self.amp_backend is not None and self.amp_backend.kernel_choices:
+            lines.append("  kernels (measured on this machine):")
+            lines += ["    " + line for line in self.amp_backend.kernel_summary().splitlines()]
         if is_initialized():
             lines.append(f"  distributed:{self._collectives()[1:]}")
         lines += [f"  changed: {note}" for note in self.notes]
@@ -487,7 +696,7 @@ class TrainStep:
 
     def __repr__(self) -> str:
         return (f"TrainStep({self.options.level.value}, {type(self.model).__name__}, "
-                f"captured={self.captured})")  # fmt: skip
+                f"captured={self.captured}, compiled={self.compiled})")  # fmt: skip
 
     # ------------------------------------------------------------------ checkpoints
 

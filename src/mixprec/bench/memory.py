@@ -1,0 +1,56 @@
+"""Peak memory of one training step on a CPU, from the allocator's own events.
+
+CUDA's caching allocator counts its peak (``torch.cuda.max_memory_allocated``); torch's CPU
+allocator keeps no such counter, and the process's resident size says little (the C library
+keeps freed memory, and other rows' tensors share the process). torch's profiler, with
+``profile_memory=True``, records every allocation and free of torch's CPU allocator, and its
+memory timeline (``export_memory_timeline``) attributes each live tensor to a category
+(parameters, gradients, optimizer state, activations, temporaries); its largest total over the
+step is the figure reported here: the bytes torch had allocated for this step's tensors at the
+step's busiest moment, parameters and optimizer state included.
+
+Cost: one extra step run under the profiler with stack recording (a few times slower than a
+plain step); the benchmark runs it once per row, after the timed steps, never timed itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["METHOD", "cpu_peak_mib"]
+
+#: How the CPU figure is measured, in words (the table's footnote and the JSON's metadata).
+METHOD = "torch.profiler memory timeline (CPU allocator events), one extra step per row"
+
+
+def cpu_peak_mib(step: Callable[[], Any]) -> float | None:
+    """Run `step` once under torch's profiler; the largest total of its memory timeline, MiB.
+
+    None when the profiler cannot build the timeline here (the row then shows no figure).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    path = os.path.join(tempfile.mkdtemp(prefix="mixprec-mem-"), "timeline.json")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "memory block of unknown size": allocated before
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True,
+                         record_shapes=True, with_stack=True) as prof:  # fmt: skip
+                step()
+            prof.export_memory_timeline(path, device="cpu")
+        with open(path) as f:
+            _times, sizes = json.load(f)
+    except Exception:  # a profiler that cannot attribute this step: no figure, not a failure
+        return None
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+        os.rmdir(os.path.dirname(path))
+    if not sizes:
+        return None
+    return max(sum(row) for row in sizes) / 2**20

@@ -1,0 +1,394 @@
+"""The second half of a training step, after backward, as one compiled function.
+
+`TrainStep` compiles a whole step in two pieces, because backward is where autograd, not Python,
+is in charge:
+
+1. the forward and the loss, through mixprec's graph pass (the policy applies to every op, the
+   loss included; AOTAutograd derives the backward from the cast graph, so backward too runs as
+   compiled code);
+2. everything after backward, here: (O2) the low-precision gradients into the fp32 masters, the
+   scaler's unscale and overflow check, clipping, the optimizer's own update, the exact skip on
+   overflow, the masters copied back into the model, the FP8 scale update and the loss-scale
+   update, traced by ``torch.compile`` into one graph.
+
+Why one graph for the second half: eager, each of those stages is a pass over every parameter
+(and the optimizer's update alone is a dozen small kernels per parameter); compiled, inductor
+fuses the unscaled gradient, the update, the skip and the copy-back into one loop per
+parameter. The skip is a ``torch.where`` between the state before and after the update, which
+in a fused loop costs nothing: the old value is in a register when the new one is written. No
+value is read back to the host, so the step never waits for the device.
+
+What it is exact to: the eager `TrainStep` step runs the same operations (torch's own optimizer
+``step``, the scaler's own unscale kernel and scale update, ``clip_grad_norm_``). Inductor may
+fuse and reorder fp32 arithmetic (an ``a * b + c`` may become one fused multiply-add, a norm may
+be summed in another order), so compiled and eager steps agree to a few fp32 ulps per step,
+not bit for bit; a skipped step is exact (every parameter, optimizer state tensor and step
+counter keeps its bits, and the scale backs off exactly as eager).
+
+Costs: compiling takes seconds to a minute once per graph (inductor's on-disk cache makes later
+processes fast); at run time, one guard check and one call. No host-device synchronisation.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from mixprec.fp8.convert import fp8_update
+from mixprec.levels.optimizer import AmpOptimizer
+from mixprec.scaling import contract
+from mixprec.scaling.state import update_scale
+from mixprec.scaling.unscale import _unscale_and_check
+
+__all__ = ["CountingBackend", "StepUpdate", "own_code", "tensor_lr"]
+
+# Optimizers whose single-tensor ``step`` takes the lr as a 0-dim tensor, so that an LR schedule
+# (which fills the tensor in place) never changes what the compiled graph was traced with.
+_TENSOR_LR_OK = tuple(
+    getattr(torch.optim, name)
+    for name in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad")
+    if hasattr(torch.optim, name)
+)
+
+
+def tensor_lr(optimizer: torch.optim.Optimizer) -> list[str]:
+    """Hold each param group's lr as a 0-dim tensor where `optimizer` accepts one; return notes.
+
+    A Python float lr is a constant of the traced graph: every change (each step of an LR
+    schedule) would recompile it. torch's schedulers fill a tensor lr in place. Skipped for
+    groups that asked for ``foreach=True`` (torch refuses a tensor lr there without
+    ``capturable``), for optimizer classes not known to take one, and on CUDA, where
+    `mixprec.step.graphs.prepare` decides (a tensor lr there needs ``capturable``).
+    """
+    notes: list[str] = []
+    if not isinstance(optimizer, _TENSOR_LR_OK):
+        return notes
+    name = type(optimizer).__name__
+    for i, group in enumerate(optimizer.param_groups):
+        lr = group.get("lr")
+        if not isinstance(lr, float) or group.get("foreach") or group.get("fused"):
+            continue
+        device = next((p.device for p in group["params"]), torch.device("cpu"))
+        if device.type == "cuda":
+            continue
+        group["lr"] = torch.tensor(lr, dtype=torch.float32, device=device)
+        notes.append(
+            f"{name} param group {i}: lr held as a 0-dim tensor (an LR schedule fills it in "
+            f"place, so the compiled step is not recompiled when it changes)"
+        )
+    return notes
+
+
+_INSTANCES = itertools.count()
+
+
+def own_code(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """`fn` with a code object of its own, named `name` and a serial number.
+
+    dynamo keeps compiled graphs per code object, at most ``torch._dynamo.config.
+    recompile_limit`` (8) of them, and past that runs the function uncompiled, with a warning.
+    Every TrainStep's forward and update are the same Python functions: without their own code
+    objects, the ninth TrainStep of a process (a sweep, a test suite) would silently run eager
+    code. The name also says in dynamo's logs which graph is which.
+    """
+    code = fn.__code__.replace(co_name=f"{name}_{next(_INSTANCES)}")
+    new = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    return new
+
+
+class CountingBackend:
+    """A ``torch.compile`` backend that counts the graphs it compiles, then hands them on.
+
+    Args:
+        backend: the backend that compiles them (a name or a callable); ``torch.compile``'s
+            `mode` and `options` reach it as they would reach it directly.
+    """
+
+    def __init__(self, backend: str | Callable[..., Any] = "inductor") -> None:
+        self.backend = backend
+        self.compiles = 0
+
+    def __call__(
+        self,
+        gm: torch.fx.GraphModule,
+        example_inputs: list[Any],
+        mode: str | None = None,
+        options: dict[str, Any] | None = None,
+    ) -> Callable[..., Any]:
+        from mixprec.graph.backend import _inner_backend
+
+        self.compiles += 1
+        inner = _inner_backend(self.backend, mode, options)
+        return gm if inner == "eager" else inner(gm, example_inputs)
+
+
+def _raw_step(optimizer: torch.optim.Optimizer) -> tuple[Callable[..., Any], bool]:
+    """The optimizer's ``step`` body, and whether it is the unwrapped one.
+
+    torch wraps every ``step`` twice: a profiler/hook wrapper, and a grad-mode wrapper that
+    breaks dynamo's graph on purpose (so that a standalone compiled ``step`` is an inference
+    graph). Inside our update, grad mode is off already and the whole update must be one graph,
+    so we call the body under the wrappers, unless the optimizer has step hooks (the wrapper
+    runs them: then we keep it, and dynamo's graph breaks with it).
+    """
+    from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+    hooks = (
+        optimizer._optimizer_step_pre_hooks
+        or optimizer._optimizer_step_post_hooks
+        or _global_optimizer_pre_hooks
+        or _global_optimizer_post_hooks
+    )
+    bound = type(optimizer).step
+    if hooks or "step" in vars(optimizer):  # hooks, or a step patched on the instance
+        return (lambda: optimizer.step()), False
+    raw = inspect.unwrap(bound)
+    return (lambda: raw(optimizer)), True
+
+
+class StepUpdate:
+    """Everything of one step after backward, for `optimizer`, as one compiled function.
+
+    Args:
+        optimizer: the `AmpOptimizer` the step trains with (one ``initialize`` call).
+        clip: clip the unscaled gradients to this total norm (None: no clipping).
+        compile_kwargs: ``torch.compile`` keyword arguments (``backend``, ``mode``, ``options``).
+
+    Attributes:
+        compiles: graphs compiled so far (the first call compiles one; a change dynamo guards
+            on, such as a new set of parameters with gradients, compiles another).
+        split: why the update is more than one graph (step hooks, which torch's wrapper runs
+            between graphs; a fused optimizer, whose kernel torch keeps out of compiled code),
+            or None.
+    """
+
+    def __init__(
+        self,
+        optimizer: AmpOptimizer,
+        clip: float | None,
+        compile_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        self.optimizer = optimizer
+        self.clip = clip
+        self._complete_at: tuple[int, int, int] | None = None
+        self._own_masters_at: tuple[int, int] | None = None
+        self._own_masters: list[torch.Tensor] = []
+        # ids of parameters that had a gradient in an eager update and kept no state (SGD
+        # without momentum). Ids, not weak references: a parameter dies with its optimizer.
+        self._stateless: set[int] = set()
+        kwargs = dict(compile_kwargs or {})
+        self._backend = CountingBackend(kwargs.pop("backend", "inductor"))
+        kwargs.setdefault("dynamic", False)
+        update = types.MethodType(own_code(StepUpdate._update, "mixprec_trainstep_update"), self)
+        self._compiled = torch.compile(update, backend=self._backend, **kwargs)
+        self._step, unwrapped = _raw_step(optimizer.optimizer)
+        inner = optimizer.optimizer
+        self.split: str | None = None
+        if not unwrapped:
+            self.split = "the optimizer's step hooks run between graphs"
+        elif any(g.get("fused") for g in inner.param_groups):
+            self.split = (
+                f"torch keeps {type(inner).__name__}'s fused kernel out of compiled code: the "
+                f"update is a graph before it and one after (the exact skip then holds a copy "
+                f"of the state the kernel overwrites)"
+            )
+
+    @property
+    def compiles(self) -> int:
+        """Graphs compiled so far (the first call compiles one; a change dynamo guards on, such
+        as a new set of parameters with gradients, compiles another)."""
+        return self._backend.compiles
+
+    # ------------------------------------------------------------------ when it can run
+
+    @staticmethod
+    def blocker(optimizer: AmpOptimizer) -> str | None:
+        """Why the update of `optimizer` cannot be compiled, or None.
+
+        Checked once the optimizer has state (after the first eager step).
+        """
+        inner = optimizer.optimizer
+        name = type(inner).__name__
+        scaler = optimizer.scaler
+        if contract.needs_closure(inner):
+            return f"{name}.step requires a closure, which re-evaluates the loss inside the step"
+        if scaler is not None and scaler.is_enabled():
+            if scaler._num_losses > 1:
+                return (
+                    f"the scaler has num_losses={scaler._num_losses}: each loss's backward is "
+                    f"unscaled in its own scale_loss block, which a one-loss step has no place for"
+                )
+            if contract.takes_scaler_keyword(inner):
+                return f"{name}.step(grad_scaler=...) runs its own unscale and skip code"
+            if scaler._skip_mode.value == "sync":
+                return "the scaler was asked for skip_mode='sync', a host decision every step"
+        devices = set()
+        for group in inner.param_groups:
+            if group.get("differentiable"):
+                return f"{name} runs with differentiable=True"
+            for p in group["params"]:
+                devices.add(p.device)
+                if p.grad is not None and p.grad.is_sparse:
+                    return "sparse gradients change shape every step"
+                for key, value in inner.state.get(p, {}).items():
+                    if not isinstance(value, torch.Tensor):
+                        return (
+                            f"{name} keeps its state {key!r} as a Python {type(value).__name__},"
+                            f" which a compiled graph would freeze at its traced value"
+                        )
+        if len(devices) > 1:
+            return f"{name} steps parameters on several devices ({sorted(map(str, devices))})"
+        return None
+
+    def ready(self) -> bool:
+        """Whether the compiled update can run now, after backward: every parameter with a
+        gradient has its optimizer state (or is known to keep none).
+
+        A step that creates state runs eagerly (`eager`): it is decided on the host there (a
+        skipped creating step creates nothing), and state created inside a traced graph would
+        change what the graph was traced with. Cost: a pass over the parameters, skipped while
+        every parameter has state and the state's size and the parameter count stay those of
+        that check.
+        """
+        inner = self.optimizer.optimizer
+        scaler = self.optimizer.scaler
+        stateless = self._stateless
+        if scaler is not None and scaler.is_enabled():
+            guard = scaler._known_guard(inner)
+            if guard is None or guard.flag is None:  # the flag the graph writes
+                return False
+            stateless = {k for k, ref in guard._stateless.items() if ref() is not None}
+        key = (id(inner.state), len(inner.state), sum(len(g["params"]) for g in inner.param_groups))
+        if key == self._complete_at:
+            return True
+        everyone = True
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if inner.state.get(p):
+                    continue
+                everyone = False
+                if p.grad is not None and id(p) not in stateless:
+                    return False
+        if everyone:
+            self._complete_at = key
+        return True
+
+    def eager(self) -> None:
+        """The same update, op by op (after a plain scaled backward); notes stateless params."""
+        opt = self.optimizer
+        inner = opt.optimizer
+        opt._after_backward()
+        scaler = opt.scaler
+        if scaler is not None and scaler.is_enabled():
+            scaler.unscale_(inner)
+        if self.clip is not None:
+            params = [p for g in inner.param_groups for p in g["params"]]
+            torch.nn.utils.clip_grad_norm_(params, self.clip)
+        opt._scaling.scaled = True  # what scale_loss records: the loss was scaled
+        opt.step()
+        opt._scaling.flush()
+        if scaler is not None and scaler.is_enabled():
+            return  # the scaler's guard knows which steps ran (a skipped one proves nothing)
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and not inner.state.get(p):
+                    self._stateless.add(id(p))
+
+    # ------------------------------------------------------------------ the step
+
+    def zero_grad(self) -> None:
+        """Clear the gradients before a step's backward, keeping the fp32 masters' (O2).
+
+        The masters' gradient buffers stay allocated between compiled steps: the graph writes
+        each step's gradients into them in place, because assigning ``.grad`` inside the graph
+        would break it in two (dynamo stops before an optimizer whose parameters have pending
+        attribute changes). `__call__` drops a master's stale gradient where its weight got
+        none this step, so the optimizer skips that parameter as it would eagerly.
+        """
+        opt = self.optimizer
+        if not opt._low:
+            opt.optimizer.zero_grad(set_to_none=True)
+            return
+        for low in opt._low:
+            low.grad = None
+        groups = opt.optimizer.param_groups
+        key = (id(groups), sum(len(g["params"]) for g in groups))
+        if key != self._own_masters_at:  # param groups changed: look again
+            masters = {id(m) for m in opt._masters}
+            self._own_masters = [p for g in groups for p in g["params"] if id(p) not in masters]
+            self._own_masters_at = key
+        for p in self._own_masters:  # fp32 weights (norm layers) are their own masters
+            p.grad = None
+
+    def __call__(self) -> None:
+        """Run the update once (compiling it on first use). No host sync."""
+        opt = self.optimizer
+        for low, master in zip(opt._low, opt._masters, strict=True):
+            if low.grad is None:
+                master.grad = None
+            elif master.grad is None:
+                master.grad = torch.empty_like(master)
+        scaler = opt.scaler
+        if scaler is not None and scaler.is_enabled():
+            # Handed in rather than looked up inside: what the graph reads is then a plain
+            # argument (the scaler's bookkeeping is weak references and dicts keyed by id).
+            state = scaler._losses[0].state
+            flag = scaler._known_guard(self.optimizer.optimizer).flag
+            self._compiled(state, flag)
+            scaler.note_update()  # the host's count of updates (on_skip batches, explain)
+        else:
+            self._compiled(None, None)
+        for low in opt._low:  # as eager O2 leaves them: the gradients live in the masters
+            low.grad = None
+
+    def _update(self, state: Any, flag: torch.Tensor | None) -> None:
+        opt = self.optimizer
+        inner = opt.optimizer
+        with torch.no_grad():
+            # O2: the low-precision gradients into the fp32 masters (accumulation in fp32).
+            for low, master in zip(opt._low, opt._masters, strict=True):
+                if low.grad is not None:
+                    master.grad.copy_(low.grad)  # the buffer `__call__` keeps allocated
+            params = [p for g in inner.param_groups for p in g["params"] if p.grad is not None]
+            scaler = opt.scaler
+            found = None
+            if state is not None:
+                found = torch.zeros((), dtype=torch.float32, device=state.scale.device)
+                # The reciprocal in fp64, as the eager scaler (and torch's) takes it.
+                inv = state.scale.double().reciprocal().float()
+                grads = [p.grad for p in params]
+                by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+                for grad in grads:
+                    by_dtype.setdefault(grad.dtype, []).append(grad)
+                for same in by_dtype.values():
+                    _unscale_and_check(same, inv, found, scaler._unscale_impl)
+            if self.clip is not None:
+                torch.nn.utils.clip_grad_norm_(params, self.clip)
+            if found is None:
+                self._step()
+                skipped = None
+            else:
+                # Exact skip: the state before the update, selected back where found_inf is set.
+                tracked = list(params)
+                for p in params:
+                    tracked += [v for v in inner.state.get(p, {}).values()]
+                saved = [t.clone() for t in tracked]
+                self._step()
+                skip = found != 0
+                for current, old in zip(tracked, saved, strict=True):
+                    current.copy_(torch.where(skip, old, current))
+                flag.copy_(skip)
+                skipped = flag
+                new = update_scale(state, found, scaler._config)
+                for cur, nxt in zip(state, new, strict=True):
+                    cur.copy_(nxt)
+            if opt._fp8:
+                fp8_update(opt._fp8, skipped)
+            if opt._low:
+                torch._foreach_copy_(opt._low, opt._masters)
