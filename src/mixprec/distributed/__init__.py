@@ -5,6 +5,7 @@ TrainStep to them (docs/distributed.md):
 
 - `fully_shard`: an opt level through FSDP2's own MixedPrecisionPolicy (fp32 shards are the
   masters; low-precision all-gathers, fp32 reduce-scatters, norm layers as fp32 units).
+- `fp8`: FP8 layers' weights all-gathered in FP8 with their scale (``fully_shard(..., fp8=)``).
 - `wrapping`: what ``initialize`` accepts from DDP and FSDP2, in which order, and why.
 - `agreement`: when the scaler can skip its found-inf all-reduce (DDP reduced every gradient).
 - `ddp`: PyTorch's rules for capturing a DDP step in a CUDA graph (TrainStep follows them).

@@ -17,7 +17,7 @@ tensorwise or rowwise scales, the output dtype, and M, K, N each rounded up to a
 - CUDA: ``scaled_mm`` on compute capability 8.9 and newer (the FP8 tensor cores run several
   times fp32's rate, and nothing may be timed while a CUDA graph records), else ``emulate``.
 - Other devices: at the first product of a class, both paths are timed on random FP8 operands
-  of growing probe shapes (32, then 4x per dimension, up to the product's own shape, or until
+  of growing probe shapes (32, then 2x per dimension, up to the product's own shape, or until
   emulation takes `PROBE_MS`), in interleaved pairs. ``scaled_mm`` is chosen only where it
   takes at most `MARGIN` of emulation's time in every pair (a tie, or a machine too loaded to
   tell, goes to emulation: it is never the slower choice); a pair in which it takes `SLOWER`
@@ -55,7 +55,7 @@ PATHS = ("scaled_mm", "emulate")
 #: The environment variable that forces a path (``'auto'``: measure).
 ENV = "MIXPREC_FP8_GEMM"
 #: Emulation time at which a probe is taken as representative of its class (ms).
-PROBE_MS = 1.0
+PROBE_MS = 0.1
 #: scaled_mm is chosen where it takes at most this fraction of emulation's time.
 MARGIN = 0.85
 #: A probe on which scaled_mm takes this many times emulation's time decides at once.
@@ -313,4 +313,4 @@ def _measure(device: torch.device, rowwise: bool, out_dtype: torch.dtype, m: int
             faster = all(s <= MARGIN * e for s, e in pairs) and not clearly_slower
             path = "scaled_mm" if faster else "emulate"
             return GemmChoice(path, "measured", (pm, pk, pn), t_smm, t_emu)
-        side *= 4
+        side *= 2
