@@ -30,7 +30,10 @@ Usage::
         [--json PATH] [--smoke]
 
 ``--smoke`` runs tiny shapes on whatever device there is (the CPU included) in about a minute:
-it checks the script, not the speed. On a CPU, compile variants are skipped (each says why).
+it checks the script, not the speed. On a CPU, compile variants are skipped (each says why) and
+TrainStep runs eagerly (its default there compiles the step, minutes per variant); FP8 layers
+take the GEMM path `mixprec.fp8.gemm` measures as the faster on the machine (a Xeon whose
+``_scaled_mm`` falls back to oneDNN's reference kernel gets emulation).
 """
 
 from __future__ import annotations
@@ -171,6 +174,8 @@ def build_step(variant: str, cfg: GPTConfig, device: str, level: str, seed: int 
     kw: dict[str, Any] = {"fp8": fp8} if fp8 else {}
     if variant.endswith("+compile"):
         kw["compile"] = True
+    elif device != "cuda":  # TrainStep compiles a CPU step by default: minutes per variant
+        kw["compile"] = False
     train = mixprec.TrainStep(model, opt, compute_loss=_lm_loss, opt_level=level, dtype="bf16",
                               **kw)  # fmt: skip
     return train, model
@@ -184,7 +189,7 @@ def step_variants(recipes: list[str]) -> list[str]:
 
 
 def bench_step(device: str, configs: dict[str, GPTConfig], batch: int, recipes: list[str],
-               level: str, iters: int, rounds: int) -> list[dict]:  # fmt: skip
+               level: str, iters: int, rounds: int, smoke: bool = False) -> list[dict]:  # fmt: skip
     rows = []
     for cfg_name, cfg in configs.items():
         tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1), device=device)
@@ -198,7 +203,7 @@ def bench_step(device: str, configs: dict[str, GPTConfig], batch: int, recipes: 
                 step, _ = build_step(variant, cfg, device, level)
                 # Warm up first: optimizer state, FP8 scales and a captured graph's pool are held
                 # between steps; the peak reported is the step's own, above that.
-                for _ in range(4):
+                for _ in range(2 if smoke else 4):
                     step(tokens)
                 if device == "cuda":
                     torch.cuda.synchronize()
@@ -236,7 +241,7 @@ def bench_loss(device: str, cfg: GPTConfig, batch: int, steps: int, seeds: int,
         for variant in ["bf16 TrainStep"] + [f"fp8 {r} TrainStep" for r in recipes]:
             step, _ = build_step(variant, cfg, device, level, seed=seed)
             losses = torch.stack([step(t) for t in data]).float().cpu().tolist()
-            tail = losses[-20:]
+            tail = losses[-min(20, max(1, steps // 2)) :]
             rows.append({"variant": variant, "seed": seed, "final_loss": sum(tail) / len(tail),
                          "curve": losses[:: max(1, steps // 50)]})  # fmt: skip
             print(f"loss {variant} seed {seed}: {rows[-1]['final_loss']:.4f}", file=sys.stderr)
@@ -292,16 +297,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         tiny = GPTConfig.tiny()
         configs = {"gpt2-small": tiny, "gpt2-medium": GPTConfig(512, 64, 2, 4, 128)}
-        tokens, d, batch, iters, rounds = 64, 64, 2, 2, 1
-        loss_cfg, loss_steps, seeds = tiny, 10, 2
+        tokens, d, batch, iters, rounds = 64, 64, 2, 1, 1
+        loss_cfg, loss_steps, seeds = tiny, 6, 2
+        if device == "cpu":
+            # One thread: on a CPU shared with other jobs, two threads waiting on each other at
+            # every op made a tiny step 5x slower (the smoke run has a 2-minute budget).
+            torch.set_num_threads(1)
     else:
         configs = {"gpt2-small": SMALL, "gpt2-medium": MEDIUM}
         tokens, d, batch = args.batch * 1024, 1024, args.batch
         iters, rounds = args.iters, args.rounds
         loss_cfg, loss_steps, seeds = SMALL, args.loss_steps, args.loss_seeds
     gemm = bench_gemm(device, tokens, d, recipes, iters, rounds) if "gemm" in parts else []
-    step = (bench_step(device, configs, batch, recipes, args.level, max(2, iters // 2), rounds)
-            if "step" in parts else [])  # fmt: skip
+    step = (bench_step(device, configs, batch, recipes, args.level, max(1, iters // 2), rounds,
+                       args.smoke) if "step" in parts else [])  # fmt: skip
     loss = (bench_loss(device, loss_cfg, batch, loss_steps, seeds, recipes, args.level)
             if "loss" in parts else [])  # fmt: skip
     meta = {**metadata(device), "smoke": args.smoke, "level": args.level,
