@@ -200,3 +200,21 @@ def test_explain_shows_fp8_formats_and_layers_that_did_not_run():
     assert "direct: converted, but this forward did not call it" in text
     assert "e4m3/e4m3/e4m3" in text  # rowwise: e4m3 gradients too
     assert "gemm: each FP8 product runs torch._scaled_mm or mixprec's emulation" in text
+
+
+def test_true_delayed_state_loads_ready_and_from_older_checkpoints():
+    torch.manual_seed(4)
+    layer = Fp8Linear(32, 32, recipe=TRUE_DELAYED)
+    layer(torch.randn(4, 32, requires_grad=True)).sum().backward()
+    mixprec.fp8_update([layer])
+    state = layer.state_dict()
+    assert "fp8_next" in state and "fp8_next" not in Fp8Linear(32, 32).state_dict()
+    fresh = Fp8Linear(32, 32, recipe=TRUE_DELAYED)
+    fresh.load_state_dict(state)
+    assert fresh.fp8_ready and torch.equal(fresh.fp8_next, layer.fp8_next)
+    x = torch.randn(4, 32)
+    assert torch.equal(fresh(x), layer(x))  # the same casts: resumed exactly
+    del state["fp8_next"]  # saved before fp8_next existed: the delayed scales are the next ones
+    older = Fp8Linear(32, 32, recipe=TRUE_DELAYED)
+    older.load_state_dict(state)
+    assert older.fp8_ready and torch.equal(older.fp8_next, layer.fp8_scale)

@@ -207,8 +207,18 @@ class Fp8Linear(nn.Linear):
         self._lent_version = -1
         self._weight_cache = None
 
-    def _load_from_state_dict(self, state_dict, prefix, *args: Any, **kwargs: Any) -> None:
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs) -> None:  # fmt: skip
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)  # fmt: skip
+        key = prefix + "fp8_next"
+        if self.fp8_recipe.true_delayed and key in missing_keys:
+            # Saved before fp8_next existed: the delayed scales are the next ones (where there
+            # are none yet, the layer scales dynamically again).
+            missing_keys.remove(key)
+            with torch.no_grad():
+                valid = torch.isfinite(self.fp8_scale) & (self.fp8_scale > 0)
+                self.fp8_next.copy_(torch.where(valid, self.fp8_scale, math.nan))
         self.fp8_loaded()
 
     def fp8_loaded(self) -> None:
