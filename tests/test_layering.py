@@ -35,7 +35,8 @@ def test_the_core_never_imports_the_bench_layer_or_the_cli():
 
 
 def test_optional_dependencies_sit_below_everything():
-    allowed = {"__future__", "typing", "mixprec.errors", "matplotlib", "matplotlib.pyplot", "tqdm"}
+    allowed = {"__future__", "typing", "mixprec.errors", "matplotlib", "matplotlib.pyplot", "tqdm",
+               "importlib.util", "collections.abc"}  # fmt: skip
     assert _imports(PACKAGE / "_optional.py") <= allowed
     # (torch itself imports tqdm; matplotlib is mixprec's to import, and only when plotting)
     code = "import sys, mixprec; print(sorted(m for m in sys.modules if m.startswith(" \
