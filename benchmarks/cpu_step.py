@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             for v in variants:
                 start = time.perf_counter()
                 loss = steps[v]()
-                float(loss)  # the step is done (on a CPU, it is anyway)
+                loss.item()  # the step is done (on a CPU, it is anyway)
                 times[v].append(time.perf_counter() - start)
         ref = {r: statistics.median(times[r]) for r in ("torch.amp", "fp32") if r in times}
         for v in variants:

@@ -11,6 +11,8 @@ marked ``inductor`` run the real compiler, whose fusion is what the skip must su
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -173,6 +175,22 @@ def test_lr_schedule_never_recompiles():
     assert any("lr held as a 0-dim tensor" in n for n in step.notes)
     lr = step.optimizer.param_groups[0]["lr"]
     assert torch.is_tensor(lr) and float(lr) == pytest.approx(scheds[0].get_last_lr()[0])
+
+
+def test_a_scheduler_made_after_compiled_steps_sees_the_optimizer_step():
+    # torch warns "lr_scheduler.step() before optimizer.step()" unless the step it wrapped ran.
+    _, step = _pair(OPTIMIZERS["sgd-momentum"], FAST)
+    batches = _batches(5, overflows=())
+    for x, y in batches[:3]:
+        step(x, y)
+    sched = torch.optim.lr_scheduler.StepLR(step.optimizer, 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, y in batches[3:]:
+            step(x, y)
+            sched.step()
+    assert step.compiled
+    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]
 
 
 def test_a_hyperparameter_that_keeps_changing_stops_the_compiled_update():

@@ -346,6 +346,10 @@ class StepUpdate:
             self._compiled(None, None)
         for low in opt._low:  # as eager O2 leaves them: the gradients live in the masters
             low.grad = None
+        if getattr(opt.step, "_wrapped_by_lr_sched", False):
+            # An LR scheduler wrapped optimizer.step to note that it ran (and warns when it
+            # did not); the compiled update ran the step's body, so note it the same way.
+            opt._opt_called = True  # type: ignore[attr-defined]
 
     def _update(self, state: Any, flag: torch.Tensor | None) -> None:
         opt = self.optimizer
