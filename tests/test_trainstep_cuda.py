@@ -143,3 +143,25 @@ def test_compile_with_capture():
         a, b = eager(x, y), step(x, y)
         torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)
     assert step.captured, step.explain()
+
+
+def test_compiled_step_is_what_gets_captured_and_skips_without_syncs():
+    # compile=True on CUDA: the compiled step (forward graph, update graph) is recorded into the
+    # CUDA graph; overflows are skipped inside the replay, and replays never synchronise.
+    eager, _ = _pair("O1", "fp16", "adam")
+    model = _model()
+    step = mixprec.TrainStep(model, OPTIMIZERS["adam"](model.parameters()), F.cross_entropy,
+                             dtype="fp16", compile={"kernels": "native"})  # fmt: skip
+    batches = _batches()
+    for x, y in batches[:4]:
+        assert _close(eager(x, y), step(x, y))
+    assert step.captured and step.graphs_compiled == 2, step.explain()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = [step(x, y) for x, y in batches[4:]]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    want = [eager(x, y) for x, y in batches[4:]]
+    assert all(_close(a, b) for a, b in zip(want, got, strict=True))
+    assert eager.scaler.stats()["losses"] == step.scaler.stats()["losses"]
