@@ -68,15 +68,22 @@ def test_tiny_bench_writes_json_and_png(tmp_path):
     assert "skipped: TF32" in out.stdout and "ms/step" in out.stdout
 
 
-def test_tiny_train_writes_png_and_json(tmp_path):
-    out = _run("train", "--epochs", "1", "--modes", "fp32,O2", "--no-progress",
-               "--out", str(tmp_path / "run"))  # fmt: skip
+@pytest.fixture(scope="module")
+def tiny_train(tmp_path_factory):
+    """One tiny `mixprec train` run (progress on), read by the tests of its outputs and of its
+    progress lines: the command is the slow part, and both look at the same run."""
+    run = tmp_path_factory.mktemp("train") / "run"
+    return run, _run("train", "--epochs", "1", "--modes", "fp32,O2", "--out", str(run))
+
+
+def test_tiny_train_writes_png_and_json(tiny_train):
+    run, out = tiny_train
     assert out.returncode == 0, out.stderr
-    result = json.loads((tmp_path / "run" / "train.json").read_text())
+    result = json.loads((run / "train.json").read_text())
     assert {s["mode"] for s in result["summary"]} == {"fp32", "O2"}
     assert all(0.0 <= r["test_accuracy"] <= 1.0 for r in result["records"])
     assert result["meta"]["data"].startswith("digits: 1437 train / 360 test")
-    assert (tmp_path / "run" / "train.png").read_bytes()[:4] == b"\x89PNG"
+    assert (run / "train.png").read_bytes()[:4] == b"\x89PNG"
     assert "within noise" in out.stdout or "OUTSIDE noise" in out.stdout
 
 
@@ -180,8 +187,8 @@ def test_explain_footer_points_cli_users_at_all():
     assert "report.format" not in out.stdout
 
 
-def test_train_progress_says_which_mode_runs(tmp_path):
-    out = _run("train", "--epochs", "1", "--modes", "fp32,O2", "--out", str(tmp_path / "run"))
+def test_train_progress_says_which_mode_runs(tiny_train):
+    _, out = tiny_train
     assert out.returncode == 0, out.stderr
     assert "fp32 (fp32), seed 0: epoch 1/1" in out.stderr
     assert "O2 (bf16), seed 0: epoch 1/1" in out.stderr
