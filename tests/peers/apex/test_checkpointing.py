@@ -64,8 +64,8 @@ class TestCheckpointing(unittest.TestCase):
 
     def seed(self):
         torch.manual_seed(2809)
-        torch.backends.cudnn.benchmark = False
-        torch.backends.cudnn.deterministic = True
+        # mixprec: no cuDNN settings (device change: the CPU has no cuDNN, and setting them
+        # raises once torch's test utilities, run by tests/peers/pytorch, lock them)
 
     def check_state_dict_fp32(self, state_dict):
         for key in state_dict:
