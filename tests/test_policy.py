@@ -323,8 +323,9 @@ def test_string_form_misspelled_key_suggests_the_key():
         Policy.from_string("compte=bf16")
     assert str(err.value).startswith(
         "unknown policy key 'compte'. Did you mean 'compute' or 'promote'? Valid policy keys: "
-        "'banned', 'compute', 'fp32', 'fp32_output', 'fp8', 'lower', 'passthrough', 'promote' or "
-        "'table'. In 'compte=bf16', the part before '=' is 'compute', 'table' or an op category"
+        "'banned', 'compute', 'fp32', 'fp32_modules', 'fp32_output', 'fp8', 'lower', "
+        "'passthrough', 'promote' or 'table'. In 'compte=bf16', the part before '=' is "
+        "'compute', 'table', 'fp32_modules' or an op category"
     )
     with pytest.raises(mixprec.PolicyError, match="Did you mean 'table'\\?"):
         Policy.from_string("tabel=cuda")

@@ -33,6 +33,9 @@ from mixprec.eager import (
 from mixprec.errors import AutocastError, BannedOpError, MixprecError, PolicyError
 from mixprec.fp8 import Fp8Recipe, Fp8Report, fp8_report, fp8_update, to_fp8
 from mixprec.graph import AmpBackend, CastReport, compile
+from mixprec.heal import HealConfig
+from mixprec.heal.online import Healer, HealMove
+from mixprec.heal.tune import TuneReport, tune_policy
 from mixprec.levels import (
     AmpOptimizer,
     OptLevel,
@@ -66,6 +69,9 @@ __all__ = [
     "Fp8Recipe",
     "Fp8Report",
     "GradScaler",
+    "HealConfig",
+    "HealMove",
+    "Healer",
     "MixprecError",
     "NonFiniteEvent",
     "OpCategory",
@@ -80,6 +86,7 @@ __all__ = [
     "SkipAwareLR",
     "TrainStep",
     "TrainStepError",
+    "TuneReport",
     "UnderflowReport",
     "__version__",
     "autocast",
@@ -107,6 +114,7 @@ __all__ = [
     "scale_history",
     "scale_loss",
     "to_fp8",
+    "tune_policy",
     "update_scale",
     "watch_nonfinite",
 ]

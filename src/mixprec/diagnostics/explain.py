@@ -38,8 +38,10 @@ from mixprec.errors import MixprecError
 from mixprec.fp8.convert import fp8_layers
 from mixprec.fp8.recipe import format_name
 from mixprec.fp8.report import fp8_report
+from mixprec.levels.keep_fp32 import Fp32Modules
 from mixprec.policy.categories import OpCategory
 from mixprec.policy.entrypoints import op_name
+from mixprec.policy.fp32_modules import select_fp32
 from mixprec.policy.policy import Policy
 
 if TYPE_CHECKING:
@@ -154,6 +156,7 @@ class _Recorder(AutocastMode):
         self._busy = False
         self.fp8_reasons: dict[str, str] = {}  # FP8 layer name -> why the policy chose FP8
         self.fp8_formats: dict[str, str] = {}  # FP8 layer name -> 'e4m3' (its forward operands)
+        self.fp32_modules: dict[str, str] = {}  # module kept in fp32 -> why (policy, healing)
 
     def _reason(self, name: str, category: str, func: Any, rule: Any, args: tuple) -> str:
         # The region in force decides (a model may open its own, e.g. an O1 model's policy).
@@ -229,6 +232,10 @@ class _Recorder(AutocastMode):
             row.outputs = row.outputs[:1]
         if category == OpCategory.FP32_OUTPUT.value and seen.get("kwargs", {}).get("dtype"):
             row.ran_in = [f"{_FP32_NAME}-acc"]  # upcast inside the kernel, no copy
+        kept = _kept(row.module, self.fp32_modules)
+        if kept is not None:  # autocast is off inside a module the policy or healing keeps
+            row.category = OpCategory.FP32.value
+            row.reason = f"in {kept!r}, kept in fp32: {self.fp32_modules[kept]}"
         self._note_casts(row, args, kwargs, seen, cached_before, out)
         self.rows.append(row)
         for t in outs:
@@ -262,6 +269,14 @@ class _Recorder(AutocastMode):
                 "from": dtype_name(raw.dtype), "to": dtype_name(out.dtype),
                 "bytes": out.numel() * out.element_size(), "cached": False, "weight": False,
             })  # fmt: skip
+
+
+def _kept(module: str, kept: dict[str, str]) -> str | None:
+    """The kept module `module` runs inside (itself or an ancestor), if any."""
+    for name in kept:
+        if module == name or module.startswith(name + "."):
+            return name
+    return None
 
 
 def _category(rule: Any, args: tuple, kwargs: dict | None) -> str:
@@ -302,6 +317,28 @@ class _ModuleStack:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+
+
+def _fp32_modules(
+    model: torch.nn.Module, policy: Policy, device_type: str
+) -> tuple[Fp32Modules | None, dict[str, str]]:
+    """The modules kept in fp32 for this forward, with their reasons: those the model's
+    ``initialize`` keeps (its policy, healing's moves) and those `policy` keeps, which get
+    hooks for this forward only (returned, to be removed)."""
+    from mixprec.levels.model import amp_hooks
+
+    hooks = amp_hooks(model)
+    own = hooks.fp32 if hooks is not None else None
+    reasons = dict(own.reasons) if own is not None else {}
+    extra = None
+    if policy.fp32_modules:
+        wanted = [n for n in select_fp32(model, policy.fp32_modules) if n not in reasons]
+        if wanted:
+            extra = Fp32Modules(model, device_type)
+            why = f"the policy keeps it (fp32_modules={'+'.join(policy.fp32_modules)})"
+            extra.set(wanted, dict.fromkeys(wanted, why))
+            reasons.update(extra.reasons)
+    return extra, reasons
 
 
 class ExplainDeviceError(MixprecError, ValueError):
@@ -411,6 +448,7 @@ def explain(
         layer.measure_error = True  # this forward also records each FP8 layer's error
     flops = _Flops()
     recorder.flops = flops
+    fp32, recorder.fp32_modules = _fp32_modules(model, region.policy, device_type)
     stack = _ModuleStack(model, recorder.modules)
     try:
         with flops:
@@ -431,9 +469,12 @@ def explain(
                 torch.autograd.backward([t.float().sum() for t in leaves])
     finally:
         stack.remove()
+        if fp32 is not None:
+            fp32.remove()
         for (_, layer), was in zip(layers, measuring, strict=True):
             layer.measure_error = was
     report = ExplainReport(recorder, device_type, region.dtype, flops, backward)
+    report.fp32_modules = dict(recorder.fp32_modules)
     if layers:
         report.fp8 = fp8_report(model)
         report.fp8_not_called = [name for name, layer in layers if layer.fp8_tokens == 0]

@@ -53,6 +53,7 @@ class ExplainReport:
         self.fp8: Fp8Report | None = None  # FP8 layers: scales, amaxes, error on this batch
         self.fp8_plan: tuple[ModuleDecision, ...] = ()  # FP8 rules of a model not yet converted
         self.fp8_not_called: list[str] = []  # FP8 layers this forward did not call
+        self.fp32_modules: dict[str, str] = {}  # modules kept in fp32 (policy, healing): why
 
     # ---- summaries
     @property
@@ -91,6 +92,7 @@ class ExplainReport:
             ),
             "ping_pong": len(self.ping_pong),
             "fp8_layers": len(self.fp8) if self.fp8 is not None else 0,
+            "fp32_modules": dict(self.fp32_modules),
             "low_precision_flop_share": {p: self.low_precision_share(p) for p in self.flops},
         }
 
@@ -165,6 +167,9 @@ class ExplainReport:
                       f"used some other way, or the branch did not run): not FP8 here"
                       for name in self.fp8_not_called]  # fmt: skip
             lines.append(f"  gemm: {GEMM_NOTE}")
+        if self.fp32_modules:
+            lines += ["", "modules kept in fp32 (autocast off inside, fp32 outputs):"]
+            lines += [f"  {name}: {why}" for name, why in self.fp32_modules.items()]
         if self.fp8_plan:
             lines += [
                 "",

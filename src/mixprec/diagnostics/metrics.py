@@ -45,12 +45,15 @@ class MetricNames:
         nan: steps whose loss was inf or NaN so far, cumulative (per flush; needs ``record_loss``).
         nonfinite: the text key for where the first inf/NaN of a skipped step came from
             (loggers that take text, e.g. TensorBoard's ``add_text``).
+        healed: modules moved to fp32 by healing so far (``heal=True``), a scalar at each
+            move's step, with the move's explanation as text under ``healed + '/moves'``.
     """
 
     loss_scale: str
     skipped: str
     nan: str
     nonfinite: str
+    healed: str = "fp32-modules"
 
 
 #: Megatron-LM: TensorBoard tag ``loss-scale`` (``training.py``, ``log_loss_scale_to_tensorboard``);
@@ -61,7 +64,8 @@ NAMES: dict[str, MetricNames] = {
     "megatron": MetricNames("loss-scale", "skipped-iterations", "nan-iterations",
                             "nonfinite-source"),
     "deepspeed": MetricNames("Train/Samples/loss_scale", "Train/Samples/skipped_steps",
-                             "Train/Samples/nan_steps", "Train/Samples/nonfinite_source"),
+                             "Train/Samples/nan_steps", "Train/Samples/nonfinite_source",
+                             "Train/Samples/fp32_modules"),
 }  # fmt: skip
 
 _MAX_EVERY = 1024  # the scaler's history ring: a longer batch would lose per-step scales
@@ -78,12 +82,16 @@ class MetricsBatch:
             came from when a watch is attached, else the scale it used.
         totals: the latest cumulative values (skipped updates, NaN losses, the current scale).
         text_tag: the name to log `events` under (``MetricNames.nonfinite``).
+        moves: ``(step, text)`` for each module healing moved to fp32 since the last flush.
+        moves_tag: the name to log `moves` under (``MetricNames.healed + '/moves'``).
     """
 
     rows: list[tuple[int, dict[str, float]]] = field(default_factory=list)
     events: list[tuple[int, str]] = field(default_factory=list)
     totals: dict[str, float] = field(default_factory=dict)
     text_tag: str = NAMES["megatron"].nonfinite
+    moves: list[tuple[int, str]] = field(default_factory=list)
+    moves_tag: str = NAMES["megatron"].healed + "/moves"
 
     @property
     def last_step(self) -> int | None:
@@ -158,6 +166,7 @@ class AmpMetrics:
         self._unflushed = 0  # step() calls since the last flush (host count)
         self._steps = 0  # step() calls so far (the step number when there is no scaler)
         self._nan: torch.Tensor | None = None  # device count of non-finite losses
+        self._moves_read = 0  # healing moves already logged
 
     def add_sink(self, sink: Callable[[MetricsBatch], None]) -> None:
         """Also hand each batch to `sink`."""
@@ -184,7 +193,7 @@ class AmpMetrics:
         """Read everything since the last flush (one sync), hand it to the sinks, return it."""
         self._unflushed = 0
         batch = self._read()
-        if batch.rows or batch.events:
+        if batch.rows or batch.events or batch.moves:
             for sink in self.sinks:
                 sink(batch)
         return batch
@@ -245,8 +254,37 @@ class AmpMetrics:
                 rows[-1][1][names.nan] = values[-1]
             else:
                 rows.append((self._steps, {names.nan: values[-1]}))
+        moves = self._moves(rows, totals)
         self.totals = totals
-        return MetricsBatch(rows, events, totals, names.nonfinite)
+        return MetricsBatch(rows, events, totals, names.nonfinite, moves, names.healed + "/moves")
+
+    def _moves(self, rows: list[tuple[int, dict[str, float]]],
+               totals: dict[str, float]) -> list[tuple[int, str]]:  # fmt: skip
+        """Healing's new moves (host data, no read): text rows, and the count of moved modules
+        as a scalar at each move's step and in the totals."""
+        from mixprec.heal.online import healer_of
+
+        healer = healer_of(self.scaler)
+        if healer is None:
+            return []
+        name = self.names.healed
+        totals[name] = float(len(healer.moves))
+        if len(healer.moves) < self._moves_read:  # a checkpoint with fewer moves was loaded
+            self._moves_read = 0
+        new = healer.moves[self._moves_read :]
+        first = self._moves_read
+        self._moves_read = len(healer.moves)
+        out = []
+        by_step = dict(rows)
+        for i, move in enumerate(new, start=first + 1):
+            step = move.update + 1
+            out.append((step, str(move)))
+            if step in by_step:
+                by_step[step][name] = float(i)
+            else:
+                rows.append((step, {name: float(i)}))
+        rows.sort(key=lambda r: r[0])
+        return out
 
     def _diagnose(self, skipped: list[tuple[int, float]]) -> list[tuple[int, str]]:
         if not skipped:

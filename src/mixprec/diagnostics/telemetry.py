@@ -93,6 +93,24 @@ class UnderflowReport:
         out["overflow_2x"] = any(r["overflow_2x"] for r in self.rows)
         return out
 
+    def advice(self, threshold: float = 0.01) -> list[str]:
+        """Per module whose gradient elements flush to zero past `threshold` (a fraction), the
+        fix in words: a higher loss scale where twice the scale overflows nowhere, else keeping
+        the module in fp32 (`mixprec.heal.underflow`). No sync (reads the measured rows)."""
+        from mixprec.heal.underflow import advise, by_module
+
+        return [advise(g["module"], g["flushed"], self.scale, self.dtype,
+                       overflow_at_2x=g["overflow_2x"], flushed_2x=g["flushed_2x"],
+                       headroom=g["headroom"])
+                for g in by_module(self) if g["flushed"] > threshold]  # fmt: skip
+
+    def fix(self, policy: Any = None, threshold: float = 0.01) -> Any:
+        """`policy` (default ``Policy()``) with the modules kept in fp32 that no higher scale
+        can save (their gradients flush past `threshold` and twice the scale overflows)."""
+        from mixprec.heal.underflow import fix
+
+        return fix(self, policy, threshold)
+
     @property
     def saved_by_2x(self) -> float:
         """Fraction of all gradient elements a 2x scale lifts out of flush-to-zero or subnormals."""
@@ -147,6 +165,7 @@ class UnderflowReport:
             )
         if len(worst) > 20:
             lines.append(f"({len(worst) - 20} more parameters in report.rows)")
+        lines += [f"advice: {a}" for a in self.advice()]
         return "\n".join(lines)
 
 

@@ -265,6 +265,11 @@ class watch_nonfinite:
     def __repr__(self) -> str:
         return f"<watch_nonfinite {type(self.model).__name__} steps={len(self._step_meta)}>"
 
+    @property
+    def steps(self) -> int:
+        """Steps recorded so far (a step is folded at the next forward, or at a read); no sync."""
+        return len(self._step_meta)
+
     # ------------------------------------------------------------------ hooks
     def _pre(self, name: str) -> Callable[..., None]:
         def pre(_module: torch.nn.Module, args: tuple) -> None:

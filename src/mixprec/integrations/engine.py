@@ -43,9 +43,11 @@ from torch import nn
 
 from mixprec.distributed.topology import fsdp_modules
 from mixprec.eager.autocast import autocast
-from mixprec.errors import format_options
+from mixprec.errors import MixprecError, format_options
+from mixprec.heal.online import make_healer
 from mixprec.integrations.errors import IntegrationError
 from mixprec.integrations.sharded import check_sharded
+from mixprec.levels import keep_fp32
 from mixprec.levels.initialize import _prepare_model
 from mixprec.levels.model import amp_hooks
 from mixprec.levels.optimizer import AmpOptimizer, LossScaling, build_inner
@@ -185,6 +187,9 @@ class AmpEngine:
         self.optimizers: list[AmpOptimizer] = []
         self._sources: list[tuple[Any, AmpOptimizer]] = []  # (the user's optimizer, its wrap)
         self.sharded = False  # a converted model is sharded with FSDP2 (it owns its precision)
+        self._fp32: list[tuple[nn.Module, Any]] = []  # O1: (model, its Fp32Modules)
+        #: The `mixprec.Healer` (``options={'heal': True}``), made with the first optimizer.
+        self.healer: Any = None
 
     def _make_scaler(self) -> GradScaler:
         opts = self.options
@@ -231,6 +236,7 @@ class AmpEngine:
             self.sharded = True
             self._modules.append(module)
             return module
+        keep_fp32.check_models([module], self.options)  # before anything changes
         hooks = amp_hooks(module)
         if hooks is not None:
             raise IntegrationError(
@@ -246,6 +252,11 @@ class AmpEngine:
                 opts = replace(opts, patch_torch_functions=False)
             _prepare_model(module, opts, self._masters)
         self._modules.append(module)
+        # O1: the policy's fp32 modules and healing's moves (the framework opens the region).
+        own = amp_hooks(module)
+        fp32 = own.fp32 if own is not None else keep_fp32.install(module, None, self.options)
+        if fp32 is not None:
+            self._fp32.append((module, fp32))
         return module
 
     # ------------------------------------------------------------------ optimizers
@@ -291,7 +302,18 @@ class AmpEngine:
                            [lo for lo, _ in pairs], [m for _, m in pairs])  # fmt: skip
         self.optimizers.append(amp)
         self._sources.append((optimizer, amp))
+        if self.healer is None:
+            self.healer = make_healer(self._fp32, self.scaler, self.options)
+            if self.healer is not None:
+                self.healer.on_change(self._follow_moves)
+        amp._scaling.healer = self.healer
         return amp
+
+    def _follow_moves(self, healer: Any) -> None:
+        # describe() and the optimizers' options show the policy with healing's moves.
+        self.options = replace(self.options, policy=healer.policy)
+        for amp in self.optimizers:
+            amp.options = replace(amp.options, policy=healer.policy)
 
     def amp_for(self, optimizer: Any) -> AmpOptimizer | None:
         """The `AmpOptimizer` made from `optimizer` (or that is, or wraps, it); None if none."""
@@ -395,6 +417,7 @@ class AmpEngine:
             "format": FORMAT,
             "opt_level": self.options.level.value,
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
+            "heal": None if self.healer is None else self.healer.state_dict(),
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -416,5 +439,20 @@ class AmpEngine:
                 "the checkpoint's loss scaling differs from this run's (one scales the loss, the "
                 "other does not): resume with the same dtype and loss_scale."
             )
+        heal = state_dict.get("heal")
+        if self.healer is None and isinstance(heal, Mapping) and heal.get("moves"):
+            raise IntegrationError(
+                f"the checkpoint was trained with healing, which moved "
+                f"{[m.get('module') for m in heal['moves']]} to fp32: resume with "
+                f"options={{'heal': True}} (or a policy that keeps them: "
+                f"mixprec.Policy().keep_fp32(...))."
+            )
+        if self.healer is not None and heal is not None:
+            try:
+                self.healer.check_state(dict(heal))
+            except MixprecError as err:
+                raise IntegrationError(f"the checkpoint's healing state is refused: {err}") from err
         if self.scaler is not None:
             self.scaler.load_state_dict(dict(sd))
+        if self.healer is not None and heal is not None:
+            self.healer.load_state_dict(dict(heal))

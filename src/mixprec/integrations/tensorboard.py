@@ -50,6 +50,8 @@ class TensorBoardSink:
                 self.writer.add_scalar(self.prefix + name, value, step)
         for step, text in batch.events:
             self.writer.add_text(self.prefix + batch.text_tag, text, step)
+        for step, text in batch.moves:  # healing's moves to fp32, with their reasons
+            self.writer.add_text(self.prefix + batch.moves_tag, text, step)
         self.writer.flush()
 
     def close(self) -> None:

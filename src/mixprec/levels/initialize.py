@@ -24,6 +24,8 @@ from torch import nn
 
 from mixprec.errors import ArgumentTypeError, UsageError
 from mixprec.fp8.convert import NoFp8LayerError, check_converts, fp8_layers, to_fp8
+from mixprec.heal.online import attach_healer
+from mixprec.levels import keep_fp32
 from mixprec.levels.model import AmpHooks, cast_model
 from mixprec.levels.model_state import MasterMap, register_state_hooks
 from mixprec.levels.optimizer import (
@@ -125,6 +127,7 @@ def initialize(
     ]
     if options.fp8 is not None:  # FP8 that converts no layer says why, before any change
         check_converts(model_list, options.fp8, options.policy)
+    keep_fp32.check_models(model_list, options)  # fp32 modules that name no module
     # Everything that can be refused is checked before any model is changed, so a refused
     # argument leaves the models as they were (the scaler validates its own settings).
     opt_list = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
@@ -177,6 +180,7 @@ def initialize(
             wrapping.find_hooks(model).optimized = True
     # Under DDP the scaler's own agreement all-reduce is redundant (agreement.py says why).
     wrapping.register_replicated(model_list, wrapped)
+    attach_healer(model_list, wrapped, scaling, options)  # heal=...: optimizer.healer
     out_models = models if isinstance(models, (list, tuple)) else model_list[0]
     out_opts = wrapped if isinstance(optimizers, (list, tuple)) else wrapped[0]
     return out_models, out_opts
@@ -253,6 +257,7 @@ def _prepare_model(
     )
     if low_model:  # checkpoints stay fp32, as Apex's did (mixprec.levels.model_state)
         hooks.add_handles(register_state_hooks(model, model_type, master_map))
+    keep_fp32.install(model, hooks, options)  # O1: the policy's fp32 modules, healing's moves
     return pairs
 
 

@@ -102,6 +102,8 @@ class AmpHooks:
         self.sharded: Any = None
         self.optimized = False  # (sharded models) initialize already added the optimizer side
         self._local = _Regions()  # per-thread stack of open regions (re-entrant calls)
+        # The policy's fp32 modules and healing's moves (`mixprec.levels.keep_fp32`), at O1.
+        self.fp32: Any = None
         self._handles = [
             model.register_forward_pre_hook(self._enter, with_kwargs=True),
             model.register_forward_hook(self._leave, with_kwargs=True, always_call=True),
@@ -140,6 +142,8 @@ class AmpHooks:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self.fp32 is not None:
+            self.fp32.remove()
 
 
 class _Regions(threading.local):

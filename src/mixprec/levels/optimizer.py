@@ -65,7 +65,7 @@ FORMAT = "mixprec.AmpOptimizer/2"
 #: The format before the optimizer's own entries moved to the top level (still loaded).
 FORMAT_V1 = "mixprec.AmpOptimizer/1"
 #: mixprec's entries beside the inner optimizer's in a state dict.
-_OURS = ("format", "opt_level", "masters", "scaler")
+_OURS = ("format", "opt_level", "masters", "scaler", "heal")
 #: Parameter dtypes that get fp32 masters.
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -106,6 +106,7 @@ class LossScaling:
         self.pending = False  # an optimizer stepped since the last update
         self.scaled = False  # scale_loss ran in this iteration
         self.stepped: set[int] = set()  # optimizers stepped in this iteration
+        self.healer: Any = None  # initialize(..., heal=...): `mixprec.heal.online.Healer`
 
     def flush(self) -> None:
         """Run the deferred ``update()``, if a step is waiting for it; start a new iteration."""
@@ -272,6 +273,12 @@ class AmpOptimizer(torch.optim.Optimizer):
         return self._scaling.scaler
 
     @property
+    def healer(self) -> Any:
+        """The `mixprec.Healer` moving overflowing modules to fp32 (``initialize(...,
+        heal=True)``), shared by the optimizers of one call; None without healing."""
+        return self._scaling.healer
+
+    @property
     def loss_scale(self) -> float:
         """The current loss scale (1.0 without scaling). Synchronises with the device."""
         self._scaling.flush()
@@ -421,6 +428,8 @@ class AmpOptimizer(torch.optim.Optimizer):
             "masters": [m.detach().clone() for m in self._masters],
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
         })  # fmt: skip
+        if self.healer is not None:  # the modules healing moved to fp32 (a resumed run keeps them)
+            out["heal"] = self.healer.state_dict()
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -472,6 +481,22 @@ class AmpOptimizer(torch.optim.Optimizer):
                 checkpoint.validate(self.scaler, scaler_sd, in_iteration_ok=True)
             except checkpoint.ScalerCheckpointError as err:
                 raise AmpCheckpointError(f"state_dict['scaler'] is refused: {err}") from err
+        heal = state_dict.get("heal")
+        if self.healer is None and isinstance(heal, dict) and heal.get("moves"):
+            raise AmpCheckpointError(
+                f"the checkpoint was trained with healing, which moved "
+                f"{[m.get('module') for m in heal['moves']]} to fp32; initialize with heal=True "
+                f"to resume with them (or policy=mixprec.Policy().keep_fp32(...) to keep them "
+                f"fixed)."
+            )
+        if self.healer is not None:
+            from mixprec.heal.online import FORMAT as HEAL_FORMAT
+
+            heal = heal if heal is not None else {"format": HEAL_FORMAT, "moves": []}
+            try:
+                self.healer.check_state(heal)
+            except MixprecError as err:
+                raise AmpCheckpointError(f"state_dict['heal'] is refused: {err}") from err
         # Everything checked. A step whose scale update is still deferred belongs to the old
         # run: finish it, so the scaler is between iterations when its state is replaced.
         self._scaling.flush()
@@ -483,6 +508,8 @@ class AmpOptimizer(torch.optim.Optimizer):
                 torch._foreach_copy_(self._low, self._masters)
         if self.scaler is not None:
             self.scaler.load_state_dict(scaler_sd)
+        if self.healer is not None:
+            self.healer.load_state_dict(heal)
         self._scaling.pending = False
 
     def _load_inner(self, state_dict: Any) -> None:

@@ -27,6 +27,7 @@ from mixprec.errors import (
     unknown_value,
 )
 from mixprec.fp8.recipe import Fp8Recipe
+from mixprec.heal.config import HealConfig, heal_options
 from mixprec.policy.policy import Policy, as_policy
 
 __all__ = ["OVERRIDES", "AmpOptions", "OptLevel", "describe", "resolve"]
@@ -131,6 +132,8 @@ OVERRIDES = (
     "loss_scale", "min_loss_scale", "max_loss_scale", "cast_model_outputs", "num_losses",
     "policy", "fp8",
 )  # fmt: skip
+#: Online healing (`mixprec.heal`): a module that keeps overflowing moves to fp32 (O1).
+OVERRIDES += ("heal",)
 
 
 @dataclass(frozen=True)
@@ -166,6 +169,8 @@ class AmpOptions:
     options: tuple[Option, ...] = field(default=(), compare=False)
     fp8: Fp8Recipe | None = None
     device_reason: str = field(default="", compare=False)
+    #: Online healing's settings (None: off): `mixprec.HealConfig`.
+    heal: HealConfig | None = field(default=None, kw_only=True)
 
     @property
     def dynamic_loss_scale(self) -> bool:
@@ -279,13 +284,15 @@ def resolve(
     num_losses = pick("num_losses", 1, "one loss, one scale")
     policy = as_policy(pick("policy", Policy(), "torch.autocast's op lists"), "the policy override")
     fp8, policy = _resolve_fp8(level, overrides, policy, opts)
+    heal, rows = heal_options(level.value, low, loss_scale, overrides.get("heal"), policy, patch)
+    opts += [Option(*row) for row in rows]
 
     _check(level, low, model_type, patch, keep_bn, master, loss_scale, min_ls, max_ls,
            num_losses, policy, overrides)  # fmt: skip
     return AmpOptions(
         level, device_type, low, model_type, patch, bool(keep_bn), master, loss_scale,
         min_ls, max_ls, _parse_model_type(outputs, low) if outputs else None, num_losses, policy,
-        tuple(opts), fp8,
+        tuple(opts), fp8, heal=heal,
     )  # fmt: skip
 
 

@@ -15,6 +15,8 @@ String grammar (for command lines and sweeps)::
   the dotted import path of a function decorated with ``@mixprec.half_function`` & co.
 - ``fp8=<selector>+<selector>...`` - FP8 module rules (`mixprec.policy.modules`): ``auto``,
   ``all`` or a glob over module names puts linear layers in FP8, ``!<selector>`` keeps them out.
+- ``fp32_modules=<name>+<glob>...`` - modules whose whole forward runs in fp32 (qualified names or
+  globs, `mixprec.policy.fp32_modules`), where mixprec knows the model (``initialize``).
 Edits apply in order; a later edit of the same op (or layer) wins.
 """
 
@@ -36,6 +38,7 @@ from mixprec.errors import PolicyError, unknown_value
 from mixprec.policy.categories import Decision, OpCategory
 from mixprec.policy.decompositions import COMPOSITES, Via
 from mixprec.policy.entrypoints import known_op_names, op_name
+from mixprec.policy.fp32_modules import check_selector
 from mixprec.policy.modules import ModuleDecision, ModuleRule, plan
 from mixprec.policy.tables import TABLES, OpTable
 
@@ -120,6 +123,9 @@ class Policy:
         modules: ordered FP8 module rules; build them with :meth:`fp8` (``'auto'``, a glob,
             ``'!head'``). They take effect where FP8 is turned on (``initialize(..., fp8=...)``,
             `mixprec.to_fp8`); a policy with rules turns it on by itself there.
+        fp32_modules: modules whose whole forward runs in fp32 (qualified names or globs);
+            build them with :meth:`keep_fp32`. They take effect where mixprec knows the model:
+            ``initialize`` at O1 (and ``TrainStep``, the integrations), ``mixprec.explain``.
 
     Examples:
         >>> p = Policy.from_string("compute=bf16").move("softmax", to="fp32")
@@ -133,6 +139,7 @@ class Policy:
     table: str | None = None
     overrides: tuple[Override, ...] = ()
     modules: tuple[ModuleRule, ...] = ()
+    fp32_modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # Normalise our own fields during construction (never a shared object).
@@ -152,6 +159,14 @@ class Policy:
         object.__setattr__(self, "overrides", overrides)
         rules = tuple(r if isinstance(r, ModuleRule) else ModuleRule.parse(r) for r in self.modules)
         object.__setattr__(self, "modules", rules)
+        if isinstance(self.fp32_modules, str):
+            raise PolicyError(
+                f"Policy(fp32_modules=...) takes a tuple of module names, got the string "
+                f"{self.fp32_modules!r}; write fp32_modules=({self.fp32_modules!r},) or use "
+                f"Policy().keep_fp32({self.fp32_modules!r})."
+            )
+        kept = tuple(dict.fromkeys(check_selector(m) for m in self.fp32_modules))
+        object.__setattr__(self, "fp32_modules", kept)
 
     # ----- identity for compiled dispatch tables -----
 
@@ -246,6 +261,42 @@ class Policy:
             )
         new = tuple(ModuleRule.parse(s) for s in selectors)
         return dataclasses.replace(self, modules=self.modules + new)
+
+    def keep_fp32(self, *modules: str) -> Policy:
+        """Return a policy that runs these modules' whole forward in fp32.
+
+        Args:
+            modules: qualified module names as ``model.named_modules()`` lists them
+                (``'blocks.3.ff.wo'``) or globs over them (``'blocks.*.ff.wo'``). A module
+                already kept is not added twice.
+
+        A kept module's floating inputs are cast to fp32 and autocast is off inside it, so its
+        ops and their backward compute in fp32, and its outputs stay fp32 (values past the low
+        dtype's range stay finite). Applied where mixprec knows the model (`initialize` at O1,
+        `TrainStep`, the integrations, `mixprec.explain`); see `mixprec.policy.fp32_modules`.
+
+        Examples:
+            >>> str(Policy().keep_fp32("blocks.0.ff.wo", "head"))
+            'fp32_modules=blocks.0.ff.wo+head'
+        """
+        if not modules:
+            raise PolicyError(
+                "Policy.keep_fp32 needs at least one module name, e.g. keep_fp32('blocks.0.ff.wo')."
+            )
+        return dataclasses.replace(self, fp32_modules=self.fp32_modules + tuple(modules))
+
+    def without_fp32(self, *modules: str) -> Policy:
+        """Return this policy with these module selectors (exactly as kept) removed."""
+        unknown = [m for m in modules if m not in self.fp32_modules]
+        if unknown:
+            raise PolicyError(
+                f"the policy does not keep {unknown[0]!r} in fp32; it keeps "
+                f"{list(self.fp32_modules) or 'no module'}."
+            )
+        gone = set(modules)
+        return dataclasses.replace(
+            self, fp32_modules=tuple(m for m in self.fp32_modules if m not in gone)
+        )
 
     def plan_fp8(self, model: torch.nn.Module) -> tuple[ModuleDecision, ...]:
         """Which linear layers of `model` the FP8 module rules put in FP8, each with its reason.
@@ -386,6 +437,13 @@ class Policy:
                 policy = policy.with_compute(None if value == "auto" else value)
             elif key == "table":
                 policy = policy.with_table(None if value == "auto" else value)
+            elif key.partition("@")[0].strip().lower() == "fp32_modules":
+                if "@" in key:
+                    raise PolicyError(
+                        f"policy item {raw!r}: modules kept in fp32 apply on every device and "
+                        f"dtype; write 'fp32_modules=...' without a scope."
+                    )
+                policy = policy.keep_fp32(*value.split("+"))
             elif key.partition("@")[0].strip().lower() == "fp8":
                 if "@" in key:
                     raise PolicyError(
@@ -430,13 +488,15 @@ class Policy:
             parts.append(f"{group_key[0].value}{group_key[1]}={'+'.join(names)}")
         if self.modules:
             parts.append("fp8=" + "+".join(str(r) for r in self.modules))
+        if self.fp32_modules:
+            parts.append("fp32_modules=" + "+".join(self.fp32_modules))
         return ",".join(parts) or "compute=auto"
 
     def __repr__(self) -> str:
         return f"Policy({str(self)!r})"
 
 
-_KEYS = ("compute", "table")
+_KEYS = ("compute", "table", "fp32_modules")
 
 
 def _parse_key(category: str, raw: str) -> OpCategory:
@@ -451,7 +511,8 @@ def _parse_key(category: str, raw: str) -> OpCategory:
             "policy key",
             category,
             names,
-            hint=f"In {raw!r}, the part before '=' is 'compute', 'table' or an op category, "
+            hint=f"In {raw!r}, the part before '=' is 'compute', 'table', 'fp32_modules' or an "
+            f"op category, "
             f"optionally scoped as '<category>@<device>[/<dtype>]' (e.g. 'fp32@cuda/fp16').",
         )
     )

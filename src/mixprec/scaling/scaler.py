@@ -218,6 +218,7 @@ class GradScaler:
         self._process_group = process_group
         self._on_skip = on_skip
         self._listeners: list[Callable[[SkipEvent], None]] = []  # add_skip_listener (diagnostics)
+        self._report_listeners: list[Callable[[int], None]] = []  # add_report_listener (healing)
         self._check_every = check_every
         self._reported_steps = 0  # updates already reported to on_skip (device count)
         self._unchecked = 0  # updates since the last on_skip check (host count, no sync)
@@ -640,11 +641,14 @@ class GradScaler:
         """
         self._unchecked += count
         self._host_updates += count
-        if (self._on_skip is not None or self._listeners) and self._unchecked >= self._check_every:
+        listening = self._on_skip is not None or self._listeners or self._report_listeners
+        if listening and self._unchecked >= self._check_every:
             if capturing():  # a check reads the device: not while a CUDA graph records
                 return
             report.report_skips(self)
             self._unchecked = 0
+            for listener in list(self._report_listeners):
+                listener(self._reported_steps)
 
     @property
     def host_updates(self) -> int:
@@ -664,6 +668,33 @@ class GradScaler:
                 self._listeners.remove(listener)
 
         return remove
+
+    def add_report_listener(self, listener: Callable[[int], None]) -> Callable[[], None]:
+        """Call ``listener(updates)`` after each skip report, once its skip events are out.
+
+        A report runs every `check_every` updates while anyone listens (one host sync, which
+        this adds to nothing); `updates` is the number of updates the report covered. For
+        listeners that decide per batch of skips (``initialize(..., heal=True)``); not pickled
+        or saved in ``state_dict``. Returns a remover.
+        """
+        self._report_listeners.append(listener)
+
+        def remove() -> None:
+            if listener in self._report_listeners:
+                self._report_listeners.remove(listener)
+
+        return remove
+
+    @property
+    def check_every(self) -> int:
+        """Updates between skip reports (``on_skip``, listeners); each report is one sync."""
+        return self._check_every
+
+    @check_every.setter
+    def check_every(self, value: int) -> None:
+        if not (is_int(value) and value >= 1):
+            raise ScalerConfigError(f"GradScaler check_every={value!r} must be an int >= 1.")
+        self._check_every = value
 
     def _agree_per_loss(self, like: torch.Tensor) -> list[bool | torch.Tensor]:
         """Which losses ran this iteration (host bools; device flags agreed across ranks)."""
@@ -853,8 +884,10 @@ class GradScaler:
         state["_losses"] = None
         state["_guards"] = {}
         state["_listeners"] = []
+        state["_report_listeners"] = []
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.__dict__.setdefault("_block_found", {})  # pickled by an earlier mixprec
+        self.__dict__.setdefault("_report_listeners", [])

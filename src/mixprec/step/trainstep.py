@@ -251,7 +251,9 @@ class TrainStep:
                     self._compile_blocked.replace("running eagerly: ", "cannot compile: ")
                 )
             whole = False
-        self._loss = self._build_loss(compile_kwargs if whole else compile)
+        self._compile_arg = compile_kwargs if whole else compile  # rebuild_forward's
+        self._forward_dropped = 0  # forward graphs compiled before the last rebuild_forward
+        self._loss = self._build_loss(self._compile_arg)
         self._eager_loss = self._build_loss(False) if whole else self._loss
         self._update: StepUpdate | None = None
         self._compile_checked = False
@@ -287,6 +289,8 @@ class TrainStep:
         self.reason = self._blocked or "not run yet"
         if self._blocked is None:
             self._prepare()
+        if optimizer.healer is not None:  # heal=...: a module moved to fp32 changes the forward
+            optimizer.healer.add_rebuild(self.rebuild_forward)
 
     # ------------------------------------------------------------------ set-up
 
@@ -349,6 +353,34 @@ class TrainStep:
 
             return loss
         return plain
+
+    def rebuild_forward(self) -> None:
+        """Build the forward and loss again with the opt level's current policy; drop the old
+        compiled function and any captured graphs.
+
+        Compiled code (and a captured CUDA graph) bakes the policy in, the modules kept in fp32
+        included, and dynamo does not notice when a module's hooks change. Healing calls this
+        once after a diagnosis that moved modules (and after loading a checkpoint whose moves
+        differ); call it yourself after changing the model's fp32 modules by hand. Costs the
+        next call a compilation (seconds) on the compiled path; nothing on the eager one.
+        """
+        self.options = self.optimizer.options
+        if self.amp_backend is not None:
+            self._forward_dropped += len(self.amp_backend.reports)
+        elif self._forward_backend is not None:
+            self._forward_dropped += self._forward_backend.compiles
+        self.amp_backend = None
+        self._forward_backend = None
+        compiled = self._eager_loss is not self._loss
+        self._loss = self._build_loss(self._compile_arg)
+        self._eager_loss = self._build_loss(False) if compiled else self._loss
+        self._drop_graphs()
+        self._fingerprint = None
+
+    @property
+    def healer(self) -> Any:
+        """The `mixprec.Healer` of this step (``heal=True``); None without healing."""
+        return self.optimizer.healer
 
     # ------------------------------------------------------------------ the step
 
@@ -575,6 +607,7 @@ class TrainStep:
             if self.amp_backend is not None
             else (self._forward_backend.compiles if self._forward_backend is not None else 0)
         )
+        forward += self._forward_dropped  # compiled before a rebuild_forward
         return forward + (self._update.compiles if self._update is not None else 0)
 
     def _note_replayed_update(self) -> None:
@@ -692,6 +725,8 @@ class TrainStep:
         if is_initialized():
             lines.append(f"  distributed:{self._collectives()[1:]}")
         lines += [f"  changed: {note}" for note in self.notes]
+        if self.healer is not None:
+            lines += ["  " + line for line in self.healer.report().splitlines()]
         return "\n".join(lines)
 
     def __repr__(self) -> str:
