@@ -117,7 +117,7 @@ def test_trainstep_on_a_sharded_model_runs_eagerly_with_the_same_numbers(pools):
     assert _equal(r0["params"], r0["ref"]) and _equal(r1["params"], r0["ref"])
     assert r0["calls"] == 4  # FSDP2 does not all-reduce gradients: the scaler agrees itself
     assert r0["reason"] == (
-        "running eagerly: CUDA graphs need a CUDA device and the model is on cpu (the same "
+        "running eagerly: the compiled step does not place collectives yet (the same "
         "operations run one at a time; on the gloo process group of 2 ranks: the scaler's "
         "overflow all-reduce)"
     )
@@ -160,7 +160,7 @@ def test_levels_under_ddp_match_one_process(pools, level, dynamic, order):
     assert r0["calls"] == ([0] * 4 if sees_ddp or not dynamic else [1] * 4)
     if order.startswith("trainstep"):
         assert r0["reason"].startswith(
-            "running eagerly: CUDA graphs need a CUDA device and the model is on cpu (the same "
+            "running eagerly: the compiled step does not place collectives yet (the same "
             "operations run one at a time; on the gloo process group of 2 ranks: DDP's gradient "
             "all-reduce"
         )

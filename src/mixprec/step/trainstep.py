@@ -243,8 +243,8 @@ class TrainStep:
         self._compile_blocked: str | None = None
         if whole and (isinstance(model, DistributedDataParallel) or is_initialized()):
             self._compile_blocked = (
-                "running eagerly: the step runs collectives (DDP's gradient all-reduce, the "
-                "scaler's agreement across ranks), which the compiled step does not place yet"
+                f"running eagerly: the compiled step does not place collectives yet (the same "
+                f"operations run one at a time{self._collectives()})"
             )
             if capture == "compile":
                 raise TrainStepError(
