@@ -335,7 +335,7 @@ def test_auto_keeps_whichever_route_measured_faster(monkeypatch):
         (2.0, 1.9, "native"),
     ):  # within the margin: native
         kernels._CACHE.clear()
-        monkeypatch.setattr(kernels, "_measure", lambda node, low, t=(native_ms, fp32_ms): t)
+        monkeypatch.setattr(kernels, "_time_pair", lambda a, b, t=(native_ms, fp32_ms): t)
         torch._dynamo.reset()
         amp = mixprec.AmpBackend(dtype="bf16", backend="eager", kernels="auto")
         model = torch.nn.Linear(16, 16)
@@ -343,23 +343,29 @@ def test_auto_keeps_whichever_route_measured_faster(monkeypatch):
         assert out.dtype == torch.bfloat16
         (choice,) = amp.kernel_choices
         assert choice.route == route and choice.native_ms == native_ms
-        assert ("no fast bf16 kernel" in choice.reason) == (route == "fp32")
+        assert ("no fast bf16 matmul kernel" in choice.reason) == (route == "fp32")
         assert "aten.linear(4x16, 16x16, 16) bf16" in amp.kernel_summary()
     kernels._CACHE.clear()
 
 
-def test_measurement_is_real_and_cached():
+def test_one_real_probe_per_family_decides_every_shape():
     from mixprec.graph import kernels
 
     kernels._CACHE.clear()
     torch._dynamo.reset()
     amp = mixprec.AmpBackend(dtype="bf16", backend="eager", kernels="auto")
-    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 48),
+        torch.nn.Linear(48, 16),
+        torch.nn.Unflatten(1, (1, 4, 4)),
+        torch.nn.Conv2d(1, 4, 3),
+    )
     torch.compile(model, backend=amp)(torch.randn(8, 32))
-    first, second = amp.kernel_choices
+    first, second, conv = amp.kernel_choices
     assert first.native_ms > 0 and first.fp32_ms > 0
-    assert (first.native_ms, first.fp32_ms) == (second.native_ms, second.fp32_ms)  # one timing
-    assert len(kernels._CACHE) == 1
+    assert (first.native_ms, first.fp32_ms) == (second.native_ms, second.fp32_ms)
+    assert "matmul probe" in first.reason and "convolution probe" in conv.reason
+    assert set(kernels._CACHE) == {("matmul", torch.bfloat16), ("convolution", torch.bfloat16)}
 
 
 def test_kernel_mode_errors_list_the_options():

@@ -21,10 +21,12 @@ the low dtype once. Results differ from the native kernel only by the order of t
 (about one low-precision ulp in a few elements in a thousand), and the backward follows the
 same casts, so gradients keep the low dtype where the policy put them.
 
-Measurements are cached per process by (op, shapes, dtype, device); an op too large to time
-quickly is timed at fewer rows (the leading dimension), which keeps the ratio and bounds the
-compile-time cost to a fraction of a second per distinct shape. Every decision is recorded
-with its timings in a `KernelChoice`, shown by `mixprec.AmpBackend.kernel_summary` and
+What is measured is an op *family* (matrix products, convolutions, attention), once per
+process, dtype and device, at one representative size: whether a machine has 16-bit units is a
+property of the machine and the family, not of each shape, and timing every distinct shape of a
+ResNet-50 cost minutes of compile time where one probe per family costs a fraction of a second.
+A family whose two routes are within 10% keeps the native kernel. Every decision is recorded
+with the probe's timings in a `KernelChoice`, shown by `mixprec.AmpBackend.kernel_summary` and
 ``TrainStep.explain()``.
 """
 
@@ -41,7 +43,7 @@ from torch import fx
 from mixprec.dtypes import dtype_name
 from mixprec.errors import PolicyError, format_options
 
-__all__ = ["HEAVY_OPS", "KERNEL_MODES", "KernelChoice", "choose_kernels"]
+__all__ = ["FAMILIES", "HEAVY_OPS", "KERNEL_MODES", "KernelChoice", "choose_kernels", "probe"]
 
 aten = torch.ops.aten
 
@@ -62,15 +64,12 @@ HEAVY_OPS: dict[Any, tuple[int, ...]] = {
 
 #: Values of ``kernels``: what each does.
 KERNEL_MODES = {
-    "auto": "measure each heavy low-precision op both ways on this machine and keep the faster",
+    "auto": "measure each op family both ways on this machine (once) and keep the faster",
     "native": "always the op's own low-precision kernel (no measurement)",
     "fp32": "always compute heavy low-precision ops in fp32 on the low-precision values",
 }
 
 _LOW = (torch.bfloat16, torch.float16)
-# An op is timed at no more than about this many multiply-adds (fewer rows above it): a 16-bit
-# GEMM on a CPU without 16-bit units runs at about 1 GFLOP/s.
-_MAX_WORK = 1.0e7
 _MARGIN = 1.1  # the fp32 route must win by this factor: casts cost something the timing misses
 
 
@@ -83,8 +82,8 @@ class KernelChoice:
         shapes: its input shapes, as compiled.
         dtype: the low dtype the policy put it in.
         route: ``'native'`` or ``'fp32'``.
-        native_ms, fp32_ms: measured forward + backward times (at fewer rows when the op was
-            too large to time whole); None when not measured.
+        native_ms, fp32_ms: the family probe's forward + backward times (one representative
+            size per family, not this op's shapes); None when not measured.
         reason: the decision in words.
     """
 
@@ -101,7 +100,7 @@ class KernelChoice:
         return f"{self.op}({shapes}) {self.dtype}: {self.route}: {self.reason}"
 
 
-_CACHE: dict[tuple[Any, ...], tuple[float, float]] = {}
+_CACHE: dict[tuple[str, torch.dtype], tuple[float, float]] = {}
 
 
 def choose_kernels(gm: fx.GraphModule, device_type: str, mode: str = "auto") -> list[KernelChoice]:
@@ -148,108 +147,87 @@ def _floating_inputs(node: fx.Node) -> list[torch.Tensor]:
     return vals
 
 
+#: The op families, and each op's family.
+FAMILIES = {
+    aten.linear.default: "matmul",
+    aten.matmul.default: "matmul",
+    aten.mm.default: "matmul",
+    aten.bmm.default: "matmul",
+    aten.addmm.default: "matmul",
+    aten.baddbmm.default: "matmul",
+    aten.conv1d.default: "convolution",
+    aten.conv2d.default: "convolution",
+    aten.conv3d.default: "convolution",
+    aten.convolution.default: "convolution",
+    aten.scaled_dot_product_attention.default: "attention",
+}
+
+
 def _decide(node: fx.Node, low: torch.dtype, mode: str) -> KernelChoice:
     name = str(node.target).replace(".default", "")
     shapes = tuple(tuple(int(s) for s in t.shape) for t in _floating_inputs(node))
     if mode == "fp32":
         return KernelChoice(name, shapes, dtype_name(low), "fp32", None, None,
                             "requested (kernels='fp32')")  # fmt: skip
-    key = (node.target, shapes, low, _scalar_args(node))
-    if key not in _CACHE:
-        _CACHE[key] = _measure(node, low)
-    native, fp32 = _CACHE[key]
+    family = FAMILIES[node.target]
+    native, fp32 = probe(family, low)
+    where = f"{family} probe ({_PROBE_TEXT[family]}, forward and backward)"
     if fp32 * _MARGIN < native:
         reason = (
-            f"the {dtype_name(low)} kernel took {native:.3g} ms, fp32 on the same "
-            f"{dtype_name(low)} values {fp32:.3g} ms (this CPU has no fast "
-            f"{dtype_name(low)} kernel for it); the result is rounded to {dtype_name(low)} "
-            f"as the op's own would be"
+            f"the {dtype_name(low)} kernel took {native:.3g} ms in the {where}, fp32 on the same "
+            f"{dtype_name(low)} values {fp32:.3g} ms (this CPU has no fast {dtype_name(low)} "
+            f"{family} kernel); the result is rounded to {dtype_name(low)} as the op's own would be"
         )
         route = "fp32"
     else:
-        reason = f"the {dtype_name(low)} kernel is the faster ({native:.3g} vs {fp32:.3g} ms)"
+        reason = (
+            f"the {dtype_name(low)} kernel is the faster ({native:.3g} vs {fp32:.3g} ms, {where})"
+        )
         route = "native"
     return KernelChoice(name, shapes, dtype_name(low), route, native, fp32, reason)
 
 
-def _scalar_args(node: fx.Node) -> tuple[Any, ...]:
-    """The non-tensor arguments, hashable (stride, padding, is_causal...): part of the key."""
-
-    def plain(a: Any) -> Any:
-        if isinstance(a, fx.Node):
-            return "tensor"
-        if isinstance(a, (list, tuple)):
-            return tuple(plain(x) for x in a)
-        return a if isinstance(a, (int, float, bool, str, type(None))) else repr(a)
-
-    return plain(node.args), tuple(sorted((k, plain(v)) for k, v in node.kwargs.items()))
-
-
-def _materialize(node: fx.Node, dtype: torch.dtype) -> tuple[list[Any], dict[str, Any]]:
-    """Real random arguments like the node's, with fewer rows where the op is large."""
-    first = _floating_inputs(node)[0]
-    inner = math.prod(first.shape[1:]) if first.dim() > 1 else 1
-    # Multiply-adds ~ output elements x reduction size; shrinking the leading dimension of the
-    # first input (rows, batch) shrinks the work in proportion.
-    estimate = float(node.meta["val"].numel()) * max(inner, 1)
-    keep = min(1.0, _MAX_WORK / max(estimate, 1.0))
-    rows = max(1, int(first.shape[0] * keep)) if first.dim() > 0 else 1
-    generator = torch.Generator().manual_seed(0)
-
-    def real(a: Any, position: int) -> Any:
-        if isinstance(a, fx.Node):
-            val = a.meta.get("val")
-            if isinstance(val, torch.Tensor):
-                shape = [int(s) for s in val.shape]
-                # Every input that shares the first input's leading size shrinks with it
-                # (attention's q, k, v; a batched matmul's operands), weights keep theirs.
-                if shape and position in _ROW_ARGS.get(node.target, (0,)):
-                    shape[0] = rows
-                if val.is_floating_point():
-                    return (torch.randn(shape, generator=generator) * 0.1).to(dtype)
-                return torch.zeros(shape, dtype=val.dtype)
-            return val
-        return a
-
-    args = [real(a, i) for i, a in enumerate(node.args)]
-    kwargs = {k: real(v, -1) for k, v in node.kwargs.items()}
-    return args, kwargs
-
-
-# Argument positions whose leading dimension is the batch (shrunk together when timing).
-_ROW_ARGS: dict[Any, tuple[int, ...]] = {
-    aten.bmm.default: (0, 1),
-    aten.baddbmm.default: (0, 1, 2),
-    aten.scaled_dot_product_attention.default: (0, 1, 2, 3),
-    aten.matmul.default: (0,),
+_PROBE_TEXT = {
+    "matmul": "256x512 by 512x512",
+    "convolution": "8x64x16x16, 64x64x3x3",
+    "attention": "4x4x128x64, causal",
 }
 
 
-def _measure(node: fx.Node, low: torch.dtype) -> tuple[float, float]:
-    """Forward + backward time (ms) of the op natively and through fp32, at its (or fewer) rows."""
-    args, kwargs = _materialize(node, low)
-    op = node.target
-    positions = [i for i in HEAVY_OPS[op] if i < len(args) and isinstance(args[i], torch.Tensor)]
+def _probe_args(family: str, dtype: torch.dtype) -> tuple[Any, list[torch.Tensor], dict[str, Any]]:
+    g = torch.Generator().manual_seed(0)
 
-    def native() -> None:
-        inputs = list(args)
-        for i in positions:
-            inputs[i] = args[i].detach().requires_grad_()
-        out = op(*inputs, **kwargs)
-        out.backward(torch.ones_like(out))
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * 0.1).to(dtype)
 
-    def via_fp32() -> None:
-        inputs = list(args)
-        for i in positions:
-            inputs[i] = args[i].detach().requires_grad_()
-        cast = list(inputs)
-        for i in positions:
-            if cast[i].is_floating_point():
-                cast[i] = cast[i].float()
-        out = op(*cast, **kwargs).to(low)
-        out.backward(torch.ones_like(out))
+    if family == "matmul":
+        return torch.nn.functional.linear, [rand(256, 512), rand(512, 512)], {}
+    if family == "convolution":
+        return (torch.nn.functional.conv2d, [rand(8, 64, 16, 16), rand(64, 64, 3, 3)],
+                {"padding": 1})  # fmt: skip
+    q = [rand(4, 4, 128, 64) for _ in range(3)]
+    return torch.nn.functional.scaled_dot_product_attention, q, {"is_causal": True}
 
-    return _time_pair(native, via_fp32)
+
+def probe(family: str, low: torch.dtype) -> tuple[float, float]:
+    """(native, fp32-route) forward + backward times in ms of `family` on this CPU, cached."""
+    key = (family, low)
+    if key not in _CACHE:
+        op, args, kwargs = _probe_args(family, low)
+
+        def run(route_fp32: bool) -> Any:
+            def go() -> None:
+                inputs = [a.detach().requires_grad_() for a in args]
+                cast = [a.float() for a in inputs] if route_fp32 else inputs
+                out = op(*cast, **kwargs)
+                if route_fp32:
+                    out = out.to(low)
+                out.backward(torch.ones_like(out))
+
+            return go
+
+        _CACHE[key] = _time_pair(run(False), run(True))
+    return _CACHE[key]
 
 
 def _time_pair(a: Any, b: Any, rounds: int = 3) -> tuple[float, float]:
