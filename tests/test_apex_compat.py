@@ -124,7 +124,7 @@ def _refusals():
     return [  # (call, the class Apex raised)
         (lambda: mixprec.initialize("model", opt, "O1"), TypeError),
         (lambda: mixprec.initialize(model, 5, "O1"), TypeError),
-        (lambda: mixprec.initialize(model, opt, "O4"), RuntimeError),
+        (lambda: mixprec.initialize(model, opt, "O5"), RuntimeError),  # (O4 is mixprec's)
         (lambda: mixprec.initialize(model, opt, "O1", hard_override=True), TypeError),
         (lambda: mixprec.initialize(model, opt, "O1", master_weights=True), RuntimeError),
         (lambda: mixprec.initialize(_net(), amp_opt, "O1"), RuntimeError),

@@ -133,6 +133,9 @@ DDP_CASES = [
     ("O2", True, "trainstep-given-ddp"),
     ("O2", False, "initialize-then-ddp"), ("O3", False, "initialize-then-ddp"),
     ("O3", False, "trainstep"),
+    # O4: bf16 weights stepped with stochastic rounding (the same seed on every rank); its
+    # bf16 gradients unscale exactly, so a scaler may run to test the skip under DDP.
+    ("O4", True, "initialize-then-ddp"), ("O4", False, "trainstep"),
 ]  # fmt: skip
 
 # One process on the concatenated batch rounds differently (one matmul over all rows instead of
@@ -141,7 +144,8 @@ DDP_CASES = [
 # steps) turns into at most 4 * 1e-2 * 2**-7. O3 keeps AdamW's moments in bf16 too: where a
 # gradient is near zero its rounded sign can differ, and the normalized step with it, so the
 # bound is the step itself, 2 * lr per step.
-CONCAT_ATOL = {"O0": 1e-6, "O1": 4 * 1e-2 * 2**-7, "O2": 4 * 1e-2 * 2**-7, "O3": 4 * 2 * 1e-2}
+CONCAT_ATOL = {"O0": 1e-6, "O1": 4 * 1e-2 * 2**-7, "O2": 4 * 1e-2 * 2**-7, "O3": 4 * 2 * 1e-2,
+               "O4": 4 * 2 * 1e-2}  # fmt: skip
 DDP_IDS = [f"{lv}-{o}{'-scaled' if d else ''}" for lv, d, o in DDP_CASES]
 
 

@@ -100,7 +100,7 @@ def test_presets_match_apex_table():
         ("O1", {"loss_scale": -2}, "loss_scale=-2 is invalid"),
         ("O1", {"cast_model_type": "fp64"}, "neither fp32 nor"),
         ("O1", {"keep_bn_fp32": True}, "unknown initialize option 'keep_bn_fp32'"),
-        ("O4", {}, "unknown opt level 'O4'.*'O0', 'O1', 'O2' or 'O3'"),
+        ("O5", {}, "unknown opt level 'O5'.*'O0', 'O1', 'O2', 'O3' or 'O4'"),
         ("O1", {"num_losses": 0}, "num_losses"),
     ],
 )

@@ -19,6 +19,7 @@ EXPECTED = [
     "describe", "fully_shard", "load_checkpoint", "save_checkpoint",
     "float_function", "get_autocast_dtype", "get_autocast_policy", "half_function", "initialize",
     "is_autocast_enabled", "master_params", "promote_function", "scale_loss", "update_scale",
+    "LowMemAdam", "LowMemAdamW", "LowMemSGD", "MemoryReport", "memory_report",
     "HealConfig", "HealMove", "Healer", "TuneReport", "tune_policy",
 ]  # fmt: skip
 

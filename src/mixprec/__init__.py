@@ -44,6 +44,7 @@ from mixprec.levels import (
     master_params,
     scale_loss,
 )
+from mixprec.optim import LowMemAdam, LowMemAdamW, LowMemSGD, MemoryReport, memory_report
 from mixprec.policy import Decision, OpCategory, Policy
 from mixprec.scaling import (
     GradScaler,
@@ -72,6 +73,10 @@ __all__ = [
     "HealConfig",
     "HealMove",
     "Healer",
+    "LowMemAdam",
+    "LowMemAdamW",
+    "LowMemSGD",
+    "MemoryReport",
     "MixprecError",
     "NonFiniteEvent",
     "OpCategory",
@@ -109,6 +114,7 @@ __all__ = [
     "is_autocast_enabled",
     "load_checkpoint",
     "master_params",
+    "memory_report",
     "promote_function",
     "save_checkpoint",
     "scale_history",

@@ -38,6 +38,7 @@ from mixprec.levels.optimizer import (
     wrapped_optimizer,
 )
 from mixprec.levels.presets import AmpOptions, OptLevel, resolve
+from mixprec.optim import lowmem
 from mixprec.scaling.scaler import GradScaler
 
 __all__ = ["initialize", "master_params", "scale_loss"]
@@ -78,7 +79,11 @@ def initialize(
             An object that wraps an optimizer and exposes ``param_groups``, ``state``, ``step``
             and ``zero_grad`` (Apex's LARC) is taken as one; for O2 it is copied around a
             rebuilt inner optimizer (the object passed in is left alone).
-        opt_level: ``'O0'``, ``'O1'``, ``'O2'`` or ``'O3'``; ``mixprec.describe(level)`` explains.
+        opt_level: ``'O0'`` ... ``'O4'``; ``mixprec.describe(level)`` explains. ``master_weights``
+            also takes ``'stochastic'`` or ``'kahan'`` (no fp32 masters: low-memory updates of
+            the low-precision weights); with those, or ``optimizer_states`` other than
+            ``'fp32'``, torch's AdamW, Adam and SGD are replaced by mixprec's `LowMemAdamW`,
+            `LowMemAdam` and `LowMemSGD` with the same hyperparameters.
         dtype: the low dtype; default fp16 on CUDA, bf16 on CPU.
         enabled: False is Apex's off switch: the level becomes O0 and the overrides are ignored
             (the objects still come back wrapped, so ``scale_loss`` works unchanged).
@@ -87,7 +92,9 @@ def initialize(
         overrides: Apex's option names (``cast_model_type``, ``keep_batchnorm_fp32``,
             ``master_weights``, ``loss_scale``, ``min_loss_scale``, ``max_loss_scale``,
             ``cast_model_outputs``, ``patch_torch_functions``) plus ``num_losses``,
-            ``policy`` (the op policy for O1's autocast, and its FP8 module rules) and ``fp8``
+            ``optimizer_states`` (``'fp32'``, ``'bf16'``, ``'8bit'``), ``seed`` (of stochastic
+            rounding), ``policy`` (the op policy for O1's autocast, and its FP8 module rules)
+            and ``fp8``
             (an `Fp8Recipe` or its name: the policy's FP8 layers, by default every linear layer
             with sizes multiple of 16 except the first and the last, become `Fp8Linear`s).
 
@@ -136,6 +143,16 @@ def initialize(
             _check_optimizer_arg(opt)
             if options.master_weights and _is_wrapper(opt):
                 wrapped_optimizer(opt)  # rebuilt over the masters later: refuse it now
+            if options.low_memory:
+                lowmem.check_convertible(opt)  # replaced by a low-memory one later: refuse it now
+        if options.low_memory and "sharded" in kinds:
+            raise UsageError(
+                "low-memory weights and optimizer states (opt_level='O4', master_weights="
+                "'stochastic'/'kahan'/'split', optimizer_states='bf16'/'8bit') are not supported "
+                "on a model sharded by mixprec.fully_shard yet: DCP cannot reshard blockwise "
+                "8-bit states. Use them with one process or DDP, or shard with O2 and "
+                "optimizer_states='fp32'."
+            )
         _check_unscalable(model_list, options)
     scaler = _make_scaler(options) if optimizers is not None else None
     if verbosity and _is_rank0():
@@ -169,6 +186,15 @@ def initialize(
     wrapped = []
     for opt in opt_list:
         inner = _inner_optimizer(opt, masters, model_list)
+        if options.low_memory and not isinstance(inner, lowmem.LowMemOptimizer):
+            # The same hyperparameters, stepping the same tensors (the model's low-precision
+            # weights, or O2's masters), with the level's weights and states modes.
+            inner = lowmem.converted(
+                inner,
+                weights=options.low_weights or "nearest",
+                states=options.optimizer_states,
+                seed=options.seed,
+            )
         mine = {id(p) for g in inner.param_groups for p in g["params"]}
         own = [(low, m) for low, m in pairs if id(m) in mine]
         # An FP8 layer advances with the optimizer that steps its weight (or its master).

@@ -40,6 +40,7 @@ class OptLevel(str, enum.Enum):
     O1 = "O1"
     O2 = "O2"
     O3 = "O3"
+    O4 = "O4"
 
     @classmethod
     def parse(cls, value: str | OptLevel) -> OptLevel:
@@ -55,7 +56,7 @@ class OptLevel(str, enum.Enum):
         # A UsageError: a PolicyError, and a RuntimeError as Apex raised for an unknown level.
         raise UsageError(
             unknown_value("opt level", value, [m.value for m in cls],
-                          hint="Levels are the letter O and a digit: 'O0' ... 'O3'.")
+                          hint="Levels are the letter O and a digit: 'O0' ... 'O4'.")
         )  # fmt: skip
 
 
@@ -66,9 +67,10 @@ class _Preset:
     cast_model_type: str | None  # "low", "fp32" or None (leave the model's dtype alone)
     patch_torch_functions: bool
     keep_batchnorm_fp32: bool | None
-    master_weights: bool
+    master_weights: bool | str  # True: fp32 masters; False: none; or a low-memory weights mode
     loss_scale: str | float  # "dynamic" or a number
     cast_model_outputs: str | None  # "fp32" or None
+    optimizer_states: str = "fp32"  # "fp32": the optimizer's own; or "bf16", "8bit"
 
 
 PRESETS: dict[OptLevel, _Preset] = {
@@ -124,13 +126,47 @@ PRESETS: dict[OptLevel, _Preset] = {
         1.0,
         None,
     ),
+    OptLevel.O4: _Preset(
+        "O4: bf16 training state at 6 bytes per parameter (AdamW), with fp32's accuracy.",
+        "The model is cast as in O2 (normalization layers stay fp32), but nothing is kept in "
+        "fp32 per weight: the optimizer (torch's AdamW, Adam or SGD, replaced by mixprec's "
+        "LowMemAdamW/LowMemAdam/LowMemSGD with the same hyperparameters) updates the bf16 "
+        "weights directly, computing in fp32 and rounding stochastically from a seeded counter "
+        "hash, so updates below bf16's resolution still accumulate on average; its moments "
+        "are stored in 8 bits per value, blockwise (256 values share an fp32 maximum) with "
+        "the dynamic code, except tensors under 4096 elements, which stay fp32. Per parameter: "
+        "weight 2 + gradient 2 + two moments 2.03 bytes, against 16 for fp32 AdamW. Overflow "
+        "skips, checkpoints and TrainStep work as at every level.",
+        "low",
+        False,
+        True,
+        "stochastic",
+        1.0,
+        "fp32",
+        "8bit",
+    ),
+}
+
+#: Values of ``master_weights``: how the optimizer's update reaches a low-precision weight.
+MASTER_WEIGHTS = {
+    "True / 'fp32'": "fp32 master copies (O2): 4 more bytes per parameter, exact",
+    "'stochastic'": "bf16 weights updated with seeded stochastic rounding: no extra bytes",
+    "'kahan'": "low-precision weights plus a compensation buffer of the same dtype: 2 bytes",
+    "'split'": "exact fp32 masters held as the bf16 weight plus its low 16 bits: 2 bytes",
+    "False / 'nearest'": "round to nearest (O3): updates below half an ulp are lost",
+}
+#: Values of ``optimizer_states``: how the optimizer's moments are stored.
+OPTIMIZER_STATES = {
+    "fp32": "the optimizer's own state (torch's: the dtype of what it steps)",
+    "bf16": "bf16 moments, written with stochastic rounding (2 bytes per moment)",
+    "8bit": "8-bit blockwise dynamic-code moments (about 1.016 bytes per moment)",
 }
 
 #: The override names `initialize` accepts (Apex's, plus mixprec's `policy` and `num_losses`).
 OVERRIDES = (
     "cast_model_type", "patch_torch_functions", "keep_batchnorm_fp32", "master_weights",
     "loss_scale", "min_loss_scale", "max_loss_scale", "cast_model_outputs", "num_losses",
-    "policy", "fp8",
+    "policy", "fp8", "optimizer_states", "seed",
 )  # fmt: skip
 #: Online healing (`mixprec.heal`): a module that keeps overflowing moves to fp32 (O1).
 OVERRIDES += ("heal",)
@@ -171,6 +207,17 @@ class AmpOptions:
     device_reason: str = field(default="", compare=False)
     #: Online healing's settings (None: off): `mixprec.HealConfig`.
     heal: HealConfig | None = field(default=None, kw_only=True)
+    #: Without fp32 masters, how updates reach low-precision weights: None (round to nearest,
+    #: or fp32 masters when `master_weights`), 'stochastic' or 'kahan'.
+    low_weights: str | None = None
+    optimizer_states: str = "fp32"
+    #: The seed of stochastic rounding (weights and bf16 states).
+    seed: int = 0
+
+    @property
+    def low_memory(self) -> bool:
+        """Whether the optimizer is replaced by a mixprec low-memory one (`mixprec.optim`)."""
+        return self.low_weights is not None or self.optimizer_states != "fp32"
 
     @property
     def dynamic_loss_scale(self) -> bool:
@@ -231,6 +278,13 @@ def resolve(
         raise ArgumentTypeError(unknown_value("initialize option", unknown[0], OVERRIDES))
     preset = PRESETS[level]
     choice = resolve_dtype(device_type, dtype)
+    if dtype is None and overrides.get("master_weights", preset.master_weights) in (
+        "stochastic",
+        "split",
+    ):
+        # Stochastic rounding writes bf16 (the top half of fp32) weights: bf16 on every device.
+        bf16 = resolve_dtype(device_type, "bf16")
+        choice = bf16._replace(reason="the weights mode works on bf16 (the top half of fp32)")
     low = choice.dtype
     opts: list[Option] = []
 
@@ -256,13 +310,34 @@ def resolve(
                    "normalization statistics need fp32's range and precision"
                    if preset.keep_batchnorm_fp32 else "no model cast, nothing to keep"
                    if preset.keep_batchnorm_fp32 is None else "pure low precision")  # fmt: skip
-    master = bool(pick("master_weights", preset.master_weights,
-                       "updates smaller than the low dtype's resolution must accumulate in fp32"
-                       if preset.master_weights else "the optimizer's weights are already "
-                       "the model's"))  # fmt: skip
+    master_value = pick("master_weights", preset.master_weights,
+                        "updates smaller than the low dtype's resolution must accumulate in fp32"
+                        if preset.master_weights is True else
+                        "bf16 weights, stochastic rounding: small updates accumulate on average"
+                        if preset.master_weights == "stochastic" else
+                        "the optimizer's weights are already the model's")  # fmt: skip
+    master, low_weights = _parse_master(master_value, low)
+    states = pick(
+        "optimizer_states",
+        preset.optimizer_states,
+        "the optimizer keeps its own state"
+        if preset.optimizer_states == "fp32"
+        else "8-bit blockwise states: 2 bytes per parameter for Adam's two moments",
+    )
+    if states not in OPTIMIZER_STATES:
+        raise PolicyError(unknown_value("optimizer states mode", states, list(OPTIMIZER_STATES)))
+    seed = (
+        pick("seed", 0, "stochastic rounding's seed (bits from a counter hash)")
+        if (low_weights == "stochastic" or states == "bf16")
+        else overrides.get("seed", 0)
+    )
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ArgumentTypeError(f"seed={seed!r} must be an int.")
     default_scale: str | float = preset.loss_scale
     why_scale = "the preset"
-    if preset.loss_scale == "dynamic" and low == torch.bfloat16:
+    if level is OptLevel.O4:
+        why_scale = "bf16 has fp32's exponent range: gradients do not underflow"
+    elif preset.loss_scale == "dynamic" and low == torch.bfloat16:
         default_scale, why_scale = 1.0, "bf16 has fp32's exponent range: gradients do not underflow"
     elif preset.loss_scale == "dynamic":
         why_scale = "fp16 gradients underflow below 6e-8 without scaling"
@@ -288,12 +363,29 @@ def resolve(
     opts += [Option(*row) for row in rows]
 
     _check(level, low, model_type, patch, keep_bn, master, loss_scale, min_ls, max_ls,
-           num_losses, policy, overrides)  # fmt: skip
+           num_losses, policy, overrides, low_weights)  # fmt: skip
     return AmpOptions(
         level, device_type, low, model_type, patch, bool(keep_bn), master, loss_scale,
         min_ls, max_ls, _parse_model_type(outputs, low) if outputs else None, num_losses, policy,
-        tuple(opts), fp8, heal=heal,
+        tuple(opts), fp8, heal=heal, low_weights=low_weights, optimizer_states=states, seed=seed,
     )  # fmt: skip
+
+
+def _parse_master(value: Any, low: torch.dtype) -> tuple[bool, str | None]:
+    """``master_weights`` as (fp32 masters?, low-memory weights mode or None)."""
+    if value is True or value == "fp32":
+        return True, None
+    if value is False or value is None or value == "nearest":
+        return False, None
+    if value in ("stochastic", "kahan", "split"):
+        if value != "kahan" and low != torch.bfloat16:
+            raise PolicyError(
+                f"master_weights={value!r} works on bf16 (the top half of fp32), and this "
+                f"run's low dtype is {dtype_name(low)}. Use dtype='bf16', or "
+                f"master_weights='kahan' (a compensation buffer, any low dtype)."
+            )
+        return False, value
+    raise PolicyError(unknown_value("master_weights", value, list(MASTER_WEIGHTS)))
 
 
 def _resolve_fp8(
@@ -340,7 +432,7 @@ def _resolve_fp8(
 
 
 def _check(level, low, model_type, patch, keep_bn, master, loss_scale, min_ls, max_ls,
-           num_losses, policy, overrides) -> None:  # fmt: skip
+           num_losses, policy, overrides, low_weights=None) -> None:  # fmt: skip
     if not (
         loss_scale == "dynamic"
         or (
@@ -375,12 +467,21 @@ def _check(level, low, model_type, patch, keep_bn, master, loss_scale, min_ls, m
         )
     low_model = model_type is not None and model_type != torch.float32
     scaled = loss_scale == "dynamic" or float(loss_scale) != 1.0
-    if low_model and not master and scaled:
+    # bf16 gradients unscale exactly (a power of two, fp32's exponent range): a bf16 model
+    # with low-memory weights may scale its loss (to exercise overflow skips, say).
+    if low_model and not master and scaled and not (low_weights and low == torch.bfloat16):
         raise UsageError(
             f"{level.value}: a {dtype_name(low)} model without master weights cannot use loss "
             f"scaling (loss_scale={loss_scale!r}): its gradients are {dtype_name(low)}, and a "
             f"scaler can only unscale fp32 gradients without losing their small values. Use "
             f"opt_level='O2' (master_weights=True), or loss_scale=1.0."
+        )
+    if low_weights and not low_model:
+        raise UsageError(
+            f"{level.value}: master_weights={low_weights!r} writes updates into low-precision "
+            f"weights, and this model's weights stay fp32 (cast_model_type="
+            f"{dtype_name(model_type) if model_type is not None else None!r}). Use "
+            f"opt_level='O4' (or 'O3' with master_weights={low_weights!r})."
         )
     if master and not low_model and "cast_model_type" not in overrides:
         # With cast_model_type=False/None given, masters are kept for the parameters that are

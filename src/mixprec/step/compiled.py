@@ -66,7 +66,8 @@ def tensor_lr(optimizer: torch.optim.Optimizer) -> list[str]:
     `mixprec.step.graphs.prepare` decides (a tensor lr there needs ``capturable``).
     """
     notes: list[str] = []
-    if not isinstance(optimizer, _TENSOR_LR_OK):
+    # mixprec's low-memory optimizers (mixprec.optim) say so with `accepts_tensor_lr`.
+    if not (isinstance(optimizer, _TENSOR_LR_OK) or getattr(optimizer, "accepts_tensor_lr", False)):
         return notes
     name = type(optimizer).__name__
     for i, group in enumerate(optimizer.param_groups):

@@ -1,0 +1,488 @@
+"""Low-memory optimizers: bf16 weights that keep small updates, and 8-bit or bf16 states.
+
+`LowMemAdamW`, `LowMemAdam` and `LowMemSGD` follow torch's AdamW, Adam and SGD (momentum,
+dampening, nesterov, weight decay, maximize) and step the model's own parameters, whatever
+their dtype, with the arithmetic in fp32. Two choices per param group:
+
+``weights`` (how an update is written into a bf16/fp16 weight; fp32 weights are exact anyway):
+    ``'stochastic'`` (default): stochastic rounding from a seeded counter hash (bf16 only);
+    no extra memory. ``'kahan'``: a compensation buffer in the weight's dtype (2 bytes per
+    parameter) carries what rounding dropped into the next step. ``'split'``: an exact fp32
+    master held as the bf16 weight plus its low 16 bits (int16, 2 bytes per parameter): O2's
+    arithmetic, bit for bit, in half of O2's extra memory (bf16 only). ``'nearest'``: round to
+    nearest, as O3 (updates below half an ulp are lost).
+``states`` (how the moments are stored between steps):
+    ``'fp32'`` (8 bytes per parameter for Adam), ``'bf16'`` (4; written with stochastic
+    rounding, since bf16 round-to-nearest freezes a second moment that decays by 0.999 per
+    step), ``'8bit'`` (about 2.03: blockwise dynamic quantization, `mixprec.optim.codes`;
+    tensors under ``min_quantized`` elements, 4096 by default, stay fp32: norms and biases
+    are a negligible share of memory and the most sensitive to quantization).
+
+Everything the step keeps is a tensor in ``self.state[p]``: the step counter (fp32, as torch's),
+the rounding seed (int64), the compensation buffer, the moments or their codes (uint8) and
+block maxima (fp32). So a checkpoint holds all of it (``state_dict`` round trips exactly and
+loads with ``weights_only=True``), mixprec's exact overflow skip restores all of it, and the
+step is plain tensor code that ``torch.compile`` traces into one graph (`mixprec.TrainStep`'s
+compiled step): no ``.item()``, no Python-number state, no data-dependent branches. The random
+bits of stochastic rounding depend on (seed, parameter index, step counter, element index)
+only, so eager and compiled steps round identically and a resumed run continues the same
+sequence.
+
+Costs per step: eager, one pass of a few small kernels per parameter plus, for 8-bit states,
+a lookup and a 255-way binary search per element; the transient fp32 copies of one parameter's
+moments and update. No host-device synchronisation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from mixprec._compat import local_tensor
+from mixprec.errors import ArgumentTypeError, PolicyError, format_options
+from mixprec.optim import codes
+from mixprec.optim.rounding import (
+    _M32,
+    join_master,
+    kahan_add,
+    mix_seed,
+    split_master,
+    stochastic_round,
+)
+
+__all__ = ["STATES", "WEIGHTS", "LowMemAdam", "LowMemAdamW", "LowMemOptimizer", "LowMemSGD"]
+
+#: Values of ``weights``: how an update is written into a low-precision weight.
+WEIGHTS = {
+    "stochastic": "stochastic rounding from a seeded counter hash (bf16 weights; no memory)",
+    "kahan": "a compensation buffer in the weight's dtype carries the rounding error (2 B/param)",
+    "split": "an exact fp32 master: the bf16 weight plus the 16 bits it drops (2 B/param)",
+    "nearest": "round to nearest (O3: updates below half an ulp are lost)",
+}
+#: Values of ``states``: how the optimizer's moments are stored.
+STATES = {
+    "fp32": "fp32 moments (4 bytes per moment and parameter)",
+    "bf16": "bf16 moments written with stochastic rounding (2 bytes)",
+    "8bit": "blockwise 8-bit dynamic-code moments with an fp32 maximum per block (~1.016 bytes)",
+}
+_SALT = 0x5BD1E995  # separates the random bits of the weight and of each moment
+
+
+def _check_choice(kind: str, value: Any, valid: dict[str, str]) -> str:
+    if value not in valid:
+        raise PolicyError(f"unknown {kind} {value!r}. Valid: {format_options(valid)}.")
+    return value
+
+
+class LowMemOptimizer(torch.optim.Optimizer):
+    """The shared machinery: state storage by precision, and writing updates into weights.
+
+    Subclasses define `_moments` (state names, and whether each is signed) and `_update`.
+    """
+
+    _moments: tuple[tuple[str, bool], ...] = ()
+    #: mixprec's compiled TrainStep may hold ``lr`` as a 0-dim tensor (an LR schedule then
+    #: never recompiles the step): this step reads it as a tensor or a float alike.
+    accepts_tensor_lr = True
+
+    def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
+        _check_choice("weights mode", defaults["weights"], WEIGHTS)
+        _check_choice("states mode", defaults["states"], STATES)
+        block = defaults["block_size"]
+        if not (isinstance(block, int) and not isinstance(block, bool) and block >= 2):
+            raise PolicyError(f"block_size={block!r} must be an int >= 2 (256 is the default).")
+        if not isinstance(defaults["seed"], int) or isinstance(defaults["seed"], bool):
+            raise ArgumentTypeError(f"seed={defaults['seed']!r} must be an int.")
+        super().__init__(params, defaults)
+        self._tables: dict[tuple[torch.device, bool], tuple[torch.Tensor, torch.Tensor]] = {}
+        for group in self.param_groups:
+            _check_choice("weights mode", group["weights"], WEIGHTS)
+            _check_choice("states mode", group["states"], STATES)
+            if group["weights"] in ("stochastic", "split"):
+                bad = [p.dtype for p in group["params"] if p.dtype == torch.float16]
+                if bad:
+                    raise PolicyError(
+                        f"weights={group['weights']!r} works on bf16 (the top half of fp32); "
+                        f"this group has float16 parameters. Use weights='kahan' for fp16 "
+                        f"weights, or bf16."
+                    )
+
+    # ------------------------------------------------------------------ storage
+
+    def _table(self, device: torch.device, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (device, signed)
+        if key not in self._tables:
+            code = codes.dynamic_code(signed).to(device)
+            self._tables[key] = (code, codes.midpoints(code))
+        return self._tables[key]
+
+    def _moments_of(self, group: dict[str, Any]) -> tuple[tuple[str, bool], ...]:
+        """The state names this group's parameters keep, and whether each is signed."""
+        return self._moments
+
+    @staticmethod
+    def _quantized(group: dict[str, Any], p: torch.Tensor) -> bool:
+        return group["states"] == "8bit" and p.numel() >= group["min_quantized"]
+
+    def _init_state(self, group: dict[str, Any], p: torch.Tensor, index: int) -> dict[str, Any]:
+        """The state of `p` before its first step: counters, key, buffers, zero moments."""
+        state: dict[str, Any] = {"step": torch.zeros((), dtype=torch.float32, device=p.device)}
+        low = p.dtype != torch.float32
+        if (low and group["weights"] == "stochastic") or group["states"] == "bf16":
+            seed = mix_seed(group["seed"], index)
+            state["key"] = torch.tensor(seed, dtype=torch.int64, device=p.device)
+        if low and group["weights"] == "kahan":
+            state["comp"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        if low and group["weights"] == "split":
+            state["lo"] = torch.zeros(p.shape, dtype=torch.int16, device=p.device)
+        for name, _signed in self._moments_of(group):
+            if self._quantized(group, p):
+                n = codes.padded_size(p.numel(), group["block_size"])
+                state[name] = torch.zeros(n, dtype=torch.uint8, device=p.device)
+                state[name + "_absmax"] = torch.zeros(
+                    n // group["block_size"], dtype=torch.float32, device=p.device
+                )
+            else:
+                dtype = torch.bfloat16 if group["states"] == "bf16" else torch.float32
+                state[name] = torch.zeros(p.shape, dtype=dtype, device=p.device)
+        return state
+
+    def _read(self, group: dict[str, Any], state: dict[str, Any], name: str, signed: bool,
+              shape: torch.Size) -> torch.Tensor:  # fmt: skip
+        """A moment as an fp32 tensor of `shape`."""
+        value = state[name]
+        if value.dtype == torch.uint8:
+            code, _ = self._table(value.device, signed)
+            return codes.dequantize(value, state[name + "_absmax"], code, shape)
+        return value.float()
+
+    def _write(self, group: dict[str, Any], state: dict[str, Any], name: str, signed: bool,
+               value: torch.Tensor, salt: int) -> None:  # fmt: skip
+        """Store the fp32 moment `value` in its precision."""
+        held = state[name]
+        if held.dtype == torch.uint8:
+            _, mids = self._table(held.device, signed)
+            q, absmax = codes.quantize(value, mids, group["block_size"], positive=not signed)
+            held.copy_(q)
+            state[name + "_absmax"].copy_(absmax)
+        elif held.dtype == torch.bfloat16:
+            key = (state["key"] ^ (_SALT * salt)) & _M32
+            held.copy_(stochastic_round(value, key, state["step"]))
+        else:
+            held.copy_(value)
+
+    @staticmethod
+    def _weight(group: dict[str, Any], p: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
+        """The weight in fp32: the exact master where the group keeps one (split)."""
+        if p.dtype != torch.float32 and group["weights"] == "split":
+            return join_master(p, state["lo"])
+        return p.float()
+
+    def _apply(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any],
+               delta: torch.Tensor) -> None:  # fmt: skip
+        """``p += delta`` (fp32 `delta`) in `p`'s dtype, by the group's weights mode."""
+        if p.dtype == torch.float32:
+            p.add_(delta)
+        elif group["weights"] == "kahan":
+            new, comp = kahan_add(p, delta, state["comp"])
+            p.copy_(new)
+            state["comp"].copy_(comp)
+        elif group["weights"] == "stochastic":
+            p.copy_(stochastic_round(p.float() + delta, state["key"], state["step"]))
+        elif group["weights"] == "split":
+            weight, rest = split_master(join_master(p, state["lo"]) + delta)
+            p.copy_(weight)
+            state["lo"].copy_(rest)
+        else:
+            p.copy_((p.float() + delta).to(p.dtype))
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        """One update of every parameter with a gradient. No host sync.
+
+        A `closure` is evaluated first (with gradients on), as torch's optimizers do.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            index = 0
+            for group in self.param_groups:
+                for param in group["params"]:
+                    index += 1
+                    if param.grad is None:
+                        continue
+                    p, grad = local_tensor(param), local_tensor(param.grad)
+                    if grad.is_sparse:
+                        raise PolicyError(
+                            f"{type(self).__name__} does not support sparse gradients; use "
+                            f"torch.optim.SparseAdam for sparse embeddings."
+                        )
+                    state = self.state[param]
+                    if not state:
+                        state.update(self._init_state(group, p, index))
+                    state["step"].add_(1)
+                    g = grad.float()
+                    if group["maximize"]:
+                        g = -g
+                    self._update(group, p, g, state)
+        return loss
+
+    def _update(self, group: dict[str, Any], p: torch.Tensor, g: torch.Tensor,
+                state: dict[str, Any]) -> None:  # fmt: skip
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's loading, with each state tensor kept in its saved dtype.
+
+        torch casts every floating state tensor to its parameter's dtype (a bf16 weight's fp32
+        moments and block maxima would come back bf16); here they keep the dtype they were
+        saved with. Shapes and dtypes are checked against this optimizer first: a state dict
+        of another configuration (other states mode, block size) is refused, nothing changed.
+        """
+        saved = state_dict.get("state", {}) if isinstance(state_dict, dict) else {}
+        params = [p for g in self.param_groups for p in g["params"]]
+        groups = state_dict.get("param_groups", []) if isinstance(state_dict, dict) else []
+        ids = [i for g in groups for i in g.get("params", [])]
+        by_id = dict(zip(ids, params, strict=False))
+        for pid, entry in saved.items():
+            param = by_id.get(pid)
+            if param is None or not isinstance(entry, dict):
+                continue
+            group = next(g for g in self.param_groups if any(q is param for q in g["params"]))
+            # The group the checkpoint was saved with decides the layout it should have.
+            saved_group = next(g for g in groups if pid in g.get("params", []))
+            expected = self._init_state({**group, **{k: v for k, v in saved_group.items()
+                                                     if k != "params"}},
+                                        local_tensor(param).detach(), 0)  # fmt: skip
+            for key, want in expected.items():
+                have = entry.get(key)
+                if key == "key" and have is None:
+                    continue
+                if (
+                    not isinstance(have, torch.Tensor)
+                    or have.shape != want.shape
+                    or (have.dtype != want.dtype and key != "step")
+                ):
+                    raise ValueError(
+                        f"{type(self).__name__}: state {key!r} of parameter {pid} does not fit "
+                        f"(saved {None if have is None else (tuple(have.shape), have.dtype)}, "
+                        f"expected {(tuple(want.shape), want.dtype)}): load a state dict saved "
+                        f"with the same weights/states/block_size settings."
+                    )
+        super().load_state_dict(state_dict)
+        for pid, entry in saved.items():
+            param = by_id.get(pid)
+            if param is None or not isinstance(entry, dict):
+                continue
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor):
+                    device = local_tensor(param).device
+                    dtype = torch.float32 if key == "step" else value.dtype
+                    self.state[param][key] = value.to(device=device, dtype=dtype, copy=True)
+
+
+class LowMemAdamW(LowMemOptimizer):
+    """AdamW (decoupled weight decay) with low-memory weights and states.
+
+    Args: as ``torch.optim.AdamW`` (``lr``, ``betas``, ``eps``, ``weight_decay``, ``maximize``;
+    no ``amsgrad``), plus ``weights``, ``states``, ``block_size``, ``min_quantized`` and
+    ``seed`` (module docstring).
+    """
+
+    _moments = (("exp_avg", True), ("exp_avg_sq", False))
+    _decoupled = True
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        maximize: bool = False,
+        weights: str = "stochastic",
+        states: str = "8bit",
+        block_size: int = codes.BLOCK,
+        min_quantized: int = 4096,
+        seed: int = 0,
+    ) -> None:
+        if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
+            raise PolicyError(f"betas={betas!r}: each must be in [0, 1).")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        maximize=maximize, weights=weights, states=states,
+                        block_size=block_size, min_quantized=min_quantized, seed=seed)  # fmt: skip
+        super().__init__(params, defaults)
+
+    def _update(self, group: dict[str, Any], p: torch.Tensor, g: torch.Tensor,
+                state: dict[str, Any]) -> None:  # fmt: skip
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        beta1, beta2 = group["betas"]
+        w = self._weight(group, p, state)
+        delta = None
+        if wd != 0:
+            if self._decoupled:
+                delta = w * (-lr * wd)
+            else:
+                g = g + wd * w
+        (m_name, m_signed), (v_name, v_signed) = self._moments
+        m = self._read(group, state, m_name, m_signed, p.shape).lerp(g, 1 - beta1)
+        v = self._read(group, state, v_name, v_signed, p.shape) * beta2 + (1 - beta2) * g * g
+        self._write(group, state, m_name, m_signed, m, 1)
+        self._write(group, state, v_name, v_signed, v, 2)
+        step = state["step"].double()
+        correction1 = (1 - beta1**step).float()
+        correction2_sqrt = (1 - beta2**step).sqrt().float()
+        denom = v.sqrt() / correction2_sqrt + eps
+        update = m / denom * (-lr / correction1)
+        self._apply(group, p, state, update if delta is None else update + delta)
+
+
+class LowMemAdam(LowMemAdamW):
+    """Adam (L2 weight decay added to the gradient), with low-memory weights and states.
+
+    Args: as `LowMemAdamW`; ``weight_decay`` defaults to 0, as torch's Adam.
+    """
+
+    _decoupled = False
+
+    def __init__(self, params: Iterable[Any], lr: float | torch.Tensor = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, **kwargs: Any) -> None:  # fmt: skip
+        super().__init__(params, lr, betas, eps, weight_decay, **kwargs)
+
+
+class LowMemSGD(LowMemOptimizer):
+    """SGD with momentum (torch's: dampening, nesterov, weight decay), low-memory states.
+
+    Without momentum there is no state to shrink, but the weights mode still applies. Args:
+    as ``torch.optim.SGD`` plus ``weights``, ``states``, ``block_size``, ``min_quantized``,
+    ``seed``.
+    """
+
+    _moments = (("momentum_buffer", True),)
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | torch.Tensor = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        maximize: bool = False,
+        weights: str = "stochastic",
+        states: str = "8bit",
+        block_size: int = codes.BLOCK,
+        min_quantized: int = 4096,
+        seed: int = 0,
+    ) -> None:
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise PolicyError("nesterov=True needs momentum > 0 and dampening=0 (as torch's SGD).")
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
+                        weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
+                        weights=weights, states=states, block_size=block_size,
+                        min_quantized=min_quantized, seed=seed)  # fmt: skip
+        super().__init__(params, defaults)
+
+    def _moments_of(self, group: dict[str, Any]) -> tuple[tuple[str, bool], ...]:
+        return self._moments if group["momentum"] else ()
+
+    def _update(self, group: dict[str, Any], p: torch.Tensor, g: torch.Tensor,
+                state: dict[str, Any]) -> None:  # fmt: skip
+        w = self._weight(group, p, state)
+        if group["weight_decay"] != 0:
+            g = g + group["weight_decay"] * w
+        mu = group["momentum"]
+        if mu != 0:
+            buf = self._read(group, state, "momentum_buffer", True, p.shape)
+            # torch's first step takes the gradient itself as the buffer; the counter says
+            # which step this is without a Python branch on the data.
+            first = state["step"] == 1
+            buf = torch.where(first, g, buf * mu + (1 - group["dampening"]) * g)
+            self._write(group, state, "momentum_buffer", True, buf, 1)
+            g = g + mu * buf if group["nesterov"] else buf
+        self._apply(group, p, state, g * -group["lr"])
+
+
+_KINDS: dict[type, type] = {}
+
+
+def _kinds() -> dict[type, type]:
+    if not _KINDS:
+        _KINDS.update({torch.optim.AdamW: LowMemAdamW, torch.optim.Adam: LowMemAdam,
+                       torch.optim.SGD: LowMemSGD})  # fmt: skip
+    return _KINDS
+
+
+def check_convertible(optimizer: Any) -> None:
+    """Refuse, before anything changes, an optimizer `converted` cannot replace (a factory is
+    checked when it has been called)."""
+    if isinstance(optimizer, LowMemOptimizer) or (
+        callable(optimizer) and not hasattr(optimizer, "param_groups")
+    ):
+        return
+    if type(optimizer) not in _kinds():
+        raise PolicyError(
+            f"low-memory weights and optimizer states are implemented for "
+            f"{format_options([k.__name__ for k in _kinds()])}, not {type(optimizer).__name__}. "
+            f"Pass one of those (or a mixprec.LowMemAdamW/LowMemAdam/LowMemSGD), or use "
+            f"master_weights=True with optimizer_states='fp32'."
+        )
+    for group in optimizer.param_groups:
+        for flag in ("amsgrad", "differentiable", "fused"):
+            if group.get(flag):
+                raise PolicyError(
+                    f"{type(optimizer).__name__}({flag}=True) has no low-memory counterpart: "
+                    f"drop {flag}=True, or keep fp32 master weights and states."
+                )
+
+
+def converted(optimizer: torch.optim.Optimizer, **settings: Any) -> LowMemOptimizer:
+    """A low-memory optimizer with `optimizer`'s class, param groups and hyperparameters.
+
+    Accepts torch's AdamW, Adam and SGD (their exact classes); `settings` are ``weights``,
+    ``states``, ``seed`` (and ``block_size``, ``min_quantized``). State the optimizer already
+    has (a checkpoint loaded before ``initialize``) is carried over, stored in the new
+    precision.
+
+    Raises:
+        PolicyError: another optimizer class, or a setting these classes do not support
+            (``amsgrad``, ``fused``, ``differentiable``).
+    """
+    check_convertible(optimizer)
+    cls = _kinds()[type(optimizer)]
+    keep = ("lr", "betas", "eps", "weight_decay", "maximize", "momentum", "dampening",
+            "nesterov")  # fmt: skip
+    groups = []
+    for group in optimizer.param_groups:
+        new = {k: v for k, v in group.items() if k in keep}
+        if isinstance(new.get("betas"), tuple):
+            new["betas"] = tuple(float(b) for b in new["betas"])
+        new["params"] = list(group["params"])
+        groups.append(new)
+    first = {k: v for k, v in groups[0].items() if k != "params"}
+    low = cls(groups, **first, **settings)
+    index = 0
+    for group in low.param_groups:
+        for p in group["params"]:
+            index += 1
+            old = optimizer.state.get(p)
+            if not old:
+                continue
+            state = low._init_state(group, local_tensor(p), index)
+            step = old.get("step", 0)
+            state["step"].fill_(float(step))
+            for s, (name, signed) in enumerate(low._moments_of(group), start=1):
+                if name in old:
+                    low._write(group, state, name, signed, old[name].float(), s)
+            low.state[p] = state
+    return low

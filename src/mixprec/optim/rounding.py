@@ -1,0 +1,121 @@
+"""Writing an fp32 update into a bf16/fp16 weight without losing it: rounding modes.
+
+A bf16 weight w cannot hold w + u when |u| is below half its ulp (2^-9 of |w|): round to
+nearest returns w, and a long run of such updates is lost (O3's failure). Three remedies,
+each a function of tensors only (traceable, no host syncs):
+
+- stochastic rounding (`stochastic_round`): round up with probability equal to the fraction of
+  the ulp that was cut, so the rounded weight equals w + u in expectation and small updates
+  accumulate on average (Zamirai et al., "Revisiting BFloat16 Training", 2020). No extra memory.
+  bf16 only: bf16 is the top half of fp32, so adding 16 random bits below the cut and
+  truncating is the whole operation.
+- Kahan compensation (`kahan_add`): a second low-precision buffer keeps what rounding dropped
+  and adds it to the next update. 2 bytes per parameter; deterministic; any low dtype.
+- split masters (`split_master`, `join_master`): the fp32 master itself, held as the bf16
+  weight (its top 16 bits, rounded) plus the 16 bits bf16 drops, in an int16 buffer. 2 bytes
+  per parameter, and exactly O2's fp32 master arithmetic: what O2 keeps in 4 extra bytes.
+- nearest (plain ``.to(dtype)``): the O3 baseline.
+
+The random bits come from a counter-based hash of (seed, step counter, element index), computed
+with integer tensor ops: the same seed gives the same bits eagerly and in compiled code (torch's
+generators differ between eager and inductor), the counter lives in the optimizer state (it is
+checkpointed and restored with it, and held back on a skipped step), and no generator state is
+touched. The hash is murmur3's 32-bit finalizer over a Weyl sequence; multiplications are split
+so every intermediate fits in int64 (no overflow, which compiled C++ would treat as undefined).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["hash_bits", "join_master", "kahan_add", "mix_seed", "split_master", "stochastic_round"]
+
+_M32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9  # the Weyl increment (2^32 / golden ratio, odd)
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x * c mod 2^32`` for int64 `x` in [0, 2^32): halves of `c` keep products below 2^48."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def mix_seed(seed: int, salt: int) -> int:
+    """A per-tensor 32-bit key from the optimizer's seed and a salt (the parameter's index)."""
+    x = torch.tensor([(seed * 0x27D4EB2F + salt * _GOLDEN) & _M32], dtype=torch.int64)
+    return int(_fmix32(_fmix32(x))[0])
+
+
+def hash_bits(key: torch.Tensor, counter: torch.Tensor, numel: int) -> torch.Tensor:
+    """`numel` pseudo-random 32-bit values (int64 in [0, 2^32)) for step `counter`.
+
+    `key` and `counter` are 0-dim tensors (int64 key, any-dtype whole-number counter); element
+    i's value depends on (key, counter, i) only. Transient memory: a few int64 tensors of
+    `numel` elements when run eagerly; none when compiled (inductor fuses the chain).
+    """
+    step = _fmix32((key.to(torch.int64) ^ _mul32(counter.to(torch.int64) & _M32, _GOLDEN)) & _M32)
+    index = torch.arange(numel, device=key.device, dtype=torch.int64)
+    return _fmix32((_mul32(index, _GOLDEN) + step) & _M32)
+
+
+def stochastic_round(x: torch.Tensor, key: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """fp32 `x` rounded to bf16 stochastically: up with probability of the dropped fraction.
+
+    Adds 16 random bits to the bit pattern below bf16's cut and truncates; the sign is apart
+    from the magnitude bits, so negative values round away from zero with the same rule.
+    Infinities and NaNs stay as they are.
+    """
+    bits = x.contiguous().view(torch.int32).to(torch.int64) & _M32
+    noise = hash_bits(key, counter, x.numel()).view(x.shape) >> 16
+    finite = torch.isfinite(x)
+    rounded = torch.where(finite, (bits + noise) & 0xFFFF0000, bits & 0xFFFF0000)
+    return _to_int32(rounded).view(torch.float32).to(torch.bfloat16)
+
+
+def kahan_add(
+    w: torch.Tensor, update: torch.Tensor, comp: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w + update`` in `w`'s dtype with compensation: (new weight, new compensation).
+
+    The sum is taken in fp32 with the compensation added; what rounding to `w`'s dtype drops
+    goes into the new compensation (stored in `comp`'s dtype), so it is applied next time.
+    """
+    wide = w.float()
+    total = update + comp.float()
+    new = (wide + total).to(w.dtype)
+    return new, (total - (new.float() - wide)).to(comp.dtype)
+
+
+def _to_int32(bits: torch.Tensor) -> torch.Tensor:
+    return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
+
+
+def split_master(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 `x` as (bf16 weight, int16 low bits), from which `join_master` rebuilds `x` exactly.
+
+    The weight is `x`'s top 16 bits rounded half up (in magnitude; round to nearest except at
+    exact ties, where round-to-nearest-even would make the low bits ambiguous); the int16 holds
+    `x`'s low 16 bits, whose top bit says whether the weight was rounded up.
+    """
+    bits = x.contiguous().view(torch.int32).to(torch.int64) & _M32
+    low = bits & 0xFFFF
+    high = ((bits >> 16) + (low >= 0x8000).to(torch.int64)) & 0xFFFF
+    weight = torch.where(high >= 0x8000, high - 0x10000, high).to(torch.int16)
+    rest = torch.where(low >= 0x8000, low - 0x10000, low).to(torch.int16)
+    return weight.view(torch.bfloat16), rest
+
+
+def join_master(weight: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
+    """The fp32 master that (bf16 `weight`, int16 `rest`) hold (`split_master`'s inverse)."""
+    high = weight.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
+    low = rest.to(torch.int64) & 0xFFFF
+    high = (high - (low >= 0x8000).to(torch.int64)) & 0xFFFF
+    return _to_int32((high << 16) | low).view(torch.float32)
