@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from collections.abc import Iterator
 from unittest import mock
@@ -17,8 +18,16 @@ requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 
 
 @pytest.fixture(autouse=True)
-def _seed() -> None:
+def _seed() -> Iterator[None]:
     torch.manual_seed(0)
+    # Each test leaves the environment as it found it: Lightning's seed_everything (called by the
+    # peer tests) exports PL_GLOBAL_SEED, which makes every later Trainer re-seed at setup and
+    # changed the data order of the FSDP2 tests that compare Trainer.fit with a hand-written loop.
+    env = dict(os.environ)
+    yield
+    if os.environ != env:
+        os.environ.clear()
+        os.environ.update(env)
 
 
 @contextlib.contextmanager
