@@ -101,6 +101,12 @@ class _Sleeper(Variant):
         return step, lambda: None
 
 
+def _timed(step) -> float:
+    start = time.perf_counter()
+    step()
+    return time.perf_counter() - start
+
+
 def test_budget_shrinks_the_slow_rows_and_keeps_every_ratio_at_one_size(monkeypatch):
     log: list[tuple[str, str]] = []
     # Sizes 8x apart, so that each decision below has a margin of 2x or more either way.
@@ -116,6 +122,9 @@ def test_budget_shrinks_the_slow_rows_and_keeps_every_ratio_at_one_size(monkeypa
     monkeypatch.setattr(runner, "_flops", lambda w, size, device: flops[sizes.index(size)])
     peaks = {n: Peak(n, 1e12, 1024, 1) for n in ("fp32", "bf16")}
     monkeypatch.setattr(runner, "measure_peak", lambda device, name, s: peaks[name])
+    # The profiler's memory timeline costs about a second per row to build: real steps absorb
+    # it, sleeps of 0.02 s in a 3 s budget do not. Run the profiled step, skip the timeline.
+    monkeypatch.setattr(runner, "cpu_peak_mib", lambda step: (1.0, _timed(step)))
 
     t0 = time.perf_counter()
     rows, info = runner.run(["fake"], list(variants), device="cpu", dtype=torch.bfloat16,
@@ -236,8 +245,11 @@ def test_readme_bench_on_slow_16_bit_matmuls_ends_within_its_budget(tmp_path):
     assert out.returncode == 0, out.stderr
     rows = json.loads(js.read_text())
     margin = budget * (1.5 if busy else 0.5)
-    assert rows[0]["elapsed_s"] < budget + margin, (rows[0]["elapsed_s"], os.getloadavg())
-    assert took < budget + margin + 20  # + interpreter, torch and matplotlib start-up
+    # Compiling the TrainStep rows and reading memory timelines are outside the budget.
+    outside = rows[0]["outside_budget_s"]
+    assert outside >= sum(r["compile_s"] or 0 for r in rows) > 0
+    assert rows[0]["elapsed_s"] - outside < budget + margin, (rows[0], os.getloadavg())
+    assert took < budget + margin + outside + 20  # + interpreter, torch, matplotlib start-up
     assert "What this machine can show: fp16 matmuls run at" in out.stdout
     assert f"Sizes fitted to a {budget} s budget" in out.stdout
     # Progress: the statement as soon as the rates are known, and what runs.

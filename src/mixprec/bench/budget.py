@@ -123,9 +123,11 @@ def rate_statement(device: str, fp32: Peak, low: Peak) -> str:
     if device == "cuda":
         return speed + ": this GPU has no fast 16-bit matmuls for this dtype."
     return (
-        speed + f": this CPU has no fast {low.name} kernels, so mixed precision cannot make it "
-        "faster. What holds on any machine is mixprec against torch.amp at the same sizes; "
-        "for the speed-up AMP exists for, run on a GPU or a CPU with AVX512-BF16/AMX."
+        speed + f": this CPU has no fast {low.name} kernels, so {low.name} matmuls cannot make "
+        "it faster (the TrainStep row computes them in fp32 on the same "
+        f"{low.name} values where that is faster here). What holds on any machine is mixprec "
+        "against torch.amp at the same sizes; for the speed-up AMP exists for, run on a GPU or a "
+        "CPU with AVX512-BF16/AMX."
     )
 
 
@@ -135,16 +137,23 @@ class Budget:
     def __init__(self, seconds: float | None) -> None:
         self.seconds = seconds
         self.start = time.perf_counter()
+        # Seconds outside the budget: compiling TrainStep rows, building memory timelines.
+        self.excluded = 0.0
 
     @property
     def elapsed(self) -> float:
+        """Wall-clock seconds since the start, compiling included."""
         return time.perf_counter() - self.start
+
+    def exclude(self, seconds: float) -> None:
+        """Leave `seconds` (compiling, or analysis; timed by the caller) out of the budget."""
+        self.excluded += seconds
 
     def left(self) -> float:
         """Seconds left (infinite without a budget; never below zero)."""
         if self.seconds is None:
             return float("inf")
-        return max(self.seconds - self.elapsed, 0.0)
+        return max(self.seconds - (self.elapsed - self.excluded), 0.0)
 
     def share(self, workloads_left: int) -> float:
         """This workload's share of what is left."""

@@ -95,6 +95,10 @@ def _sizes_sentence(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str
         head = "Sizes: the default ones, with the workloads' own step counts (no time budget)"
     else:
         took_text = f", took {took:.0f} s" if took is not None else ""
+        outside = meta.get("outside_budget_s") or 0.0
+        if outside and took is not None:
+            took_text += (f" ({outside:.0f} s of it outside the budget: compiling TrainStep, "
+                          f"reading memory timelines)")  # fmt: skip
         head = f"Sizes fitted to a {budget:g} s budget{took_text}"
     if not reduced:
         tail = "every workload at its default size."

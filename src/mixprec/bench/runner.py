@@ -194,7 +194,7 @@ def _steps(size: WorkloadSize, round_s: float, seconds: float, done: int) -> tup
 def _time_block(
     w: _Workload, block: list[Variant], level: int, seconds: float,
     probes: dict[tuple[str, int], _Member], steps: int | None, warmup: int | None,
-    interleave: bool, label: Callable[[str], None],
+    interleave: bool, label: Callable[[str], None], clock: Budget | None = None,
 ) -> tuple[list[_Member], int, int]:  # fmt: skip
     """Warm up and time every variant of a block at one size, in turns when `interleave`.
 
@@ -205,7 +205,13 @@ def _time_block(
     end = time.perf_counter() + seconds
 
     def member(v: Variant) -> _Member:
-        return probes.pop((v.name, level), None) or w.build(v, level)
+        nonlocal end
+        m = probes.pop((v.name, level), None) or w.build(v, level)
+        if m.compile_s:  # compiling is reported on its own, outside the budget
+            end += m.compile_s
+            if clock is not None:
+                clock.exclude(m.compile_s)
+        return m
 
     # Under DDP every rank must run the same steps (each is a collective): counts are fixed,
     # never derived from this rank's clock.
@@ -224,6 +230,17 @@ def _time_block(
         for m in members:
             if len(m.warm) < pre:
                 label(f"{where}: warming up {m.variant.name}")
+            if w.device == "cpu" and len(m.warm) < pre - 1:
+                # Peak memory from a warm-up step run under the profiler (bench.memory): not
+                # the last one, whose time sizes the timed steps. Building the timeline is
+                # analysis, outside the budget like compiling.
+                start = time.perf_counter()
+                m.peak_mib, step_s = cpu_peak_mib(m.step)
+                m.warm.append(step_s)
+                analysis = time.perf_counter() - start - step_s
+                end += analysis
+                if clock is not None:
+                    clock.exclude(analysis)
             # Past the deadline already (steps much slower than planned): one warm-up only.
             while len(m.warm) < (pre if fixed or time.perf_counter() < end else min(pre, 1)):
                 m.run(w.device, timed=False)
@@ -243,10 +260,6 @@ def _time_block(
             # keeping a median of at least _FLOOR_STEPS, rather than overrun the budget.
             if not fixed and done >= _FLOOR_STEPS and time.perf_counter() > end:
                 break
-        if w.device == "cpu":  # one more step each, alone, under the profiler (bench.memory)
-            for m in members:
-                label(f"{where}: measuring {m.variant.name}'s peak memory")
-                m.peak_mib = cpu_peak_mib(m.step)
         for i, m in enumerate(members):
             m.close(w.device, collect=i == len(members) - 1)
         return members, n_warm, done
@@ -330,7 +343,7 @@ def run(
                       dist)  # fmt: skip
         share = clock.share(len(workloads) - i)
         new_rows = _run_workload(w, variants, runnable, peaks, share, steps, warmup,
-                                 interleave, budget is not None, report)  # fmt: skip
+                                 interleave, budget is not None, report, clock)  # fmt: skip
         extra = len(new_rows) - len(variants)
         if extra:
             total += extra
@@ -347,6 +360,9 @@ def run(
         "cpu_count": os.cpu_count(),
         "budget_s": budget,
         "elapsed_s": clock.elapsed,
+        # Seconds outside the budget: compiling TrainStep rows and building memory timelines
+        # (CPU), reported.
+        "outside_budget_s": clock.excluded,
         "statement": statement,
         "interleaved": interleave,
         "low_dtype": low.name,
@@ -368,8 +384,8 @@ def _load() -> float | None:
 
 def _run_workload(w: _Workload, variants: list[str], runnable: list[str],
                   peaks: dict[str, Peak], share: float, steps: int | None, warmup: int | None,
-                  interleave: bool, fitted: bool,
-                  label: Callable[[str], None]) -> list[dict[str, Any]]:  # fmt: skip
+                  interleave: bool, fitted: bool, label: Callable[[str], None],
+                  clock: Budget | None = None) -> list[dict[str, Any]]:  # fmt: skip
     """One workload: fit its sizes to `share` seconds, time the blocks, build the rows."""
     deadline = time.perf_counter() + share
     fp_class = [VARIANTS[v] for v in variants if v in runnable and not VARIANTS[v].low_precision]
@@ -402,10 +418,13 @@ def _run_workload(w: _Workload, variants: list[str], runnable: list[str],
     blocks = [(level, block) for level, block in blocks if block]
     timed = []
     for b, (level, block) in enumerate(blocks):
+        excluded = clock.excluded if clock is not None else 0.0
         left = max(deadline - time.perf_counter(), 0.0) if fitted else float("inf")
         seconds = left * len(block) / sum(len(x) for _, x in blocks[b:])
         timed.append((level, *_time_block(w, block, level, seconds, probes, steps, warmup,
-                                          interleave, label)))  # fmt: skip
+                                          interleave, label, clock)))  # fmt: skip
+        if clock is not None:  # the next blocks' deadline moves by what compiling took
+            deadline += clock.excluded - excluded
     for m in probes.values():  # a probe at a size no block used
         m.close(w.device, collect=False)
 

@@ -34,7 +34,7 @@ from mixprec.eager.autocast import autocast
 from mixprec.eager.mode import AutocastMode
 from mixprec.errors import PolicyError, format_options
 from mixprec.graph.casts import CAST_MODES, CastReport, minimise_casts
-from mixprec.graph.kernels import KERNEL_MODES, KernelChoice, choose_kernels
+from mixprec.graph.kernels import KERNEL_MODES, KernelChoice, choose_kernels, summary
 from mixprec.graph.trace import trace_with_policy
 from mixprec.policy.categories import OpCategory
 from mixprec.policy.policy import Policy, as_policy
@@ -173,10 +173,7 @@ class AmpBackend:
         """How each heavy low-precision op was computed, and why, as text."""
         if not self.kernel_choices:
             return "no heavy low-precision op measured (kernels='native', a GPU, or none yet)"
-        counts: dict[str, int] = {}
-        for choice in self.kernel_choices:  # one line per distinct op, shapes and decision
-            counts[str(choice)] = counts.get(str(choice), 0) + 1
-        return "\n".join(f"{n} x {line}" if n > 1 else line for line, n in counts.items())
+        return summary(self.kernel_choices)
 
     def summary(self) -> str:
         """All graphs' cast reports as text."""

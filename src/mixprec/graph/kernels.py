@@ -43,7 +43,15 @@ from torch import fx
 from mixprec.dtypes import dtype_name
 from mixprec.errors import PolicyError, format_options
 
-__all__ = ["FAMILIES", "HEAVY_OPS", "KERNEL_MODES", "KernelChoice", "choose_kernels", "probe"]
+__all__ = [
+    "FAMILIES",
+    "HEAVY_OPS",
+    "KERNEL_MODES",
+    "KernelChoice",
+    "choose_kernels",
+    "probe",
+    "summary",
+]
 
 aten = torch.ops.aten
 
@@ -101,6 +109,14 @@ class KernelChoice:
 
 
 _CACHE: dict[tuple[str, torch.dtype], tuple[float, float]] = {}
+
+
+def summary(choices: list[KernelChoice]) -> str:
+    """`choices` as text, one line per distinct op, shapes and decision (with a count)."""
+    counts: dict[str, int] = {}
+    for choice in choices:
+        counts[str(choice)] = counts.get(str(choice), 0) + 1
+    return "\n".join(f"{n} x {line}" if n > 1 else line for line, n in counts.items())
 
 
 def choose_kernels(gm: fx.GraphModule, device_type: str, mode: str = "auto") -> list[KernelChoice]:

@@ -40,8 +40,12 @@ def trace_with_policy(
     device_type: str,
     dtype: torch.dtype,
     policy: Policy,
+    region: bool = True,
 ) -> fx.GraphModule:
     """Record `gm` run under ``mixprec.autocast(device_type, dtype, policy)`` as an aten graph.
+
+    With ``region=False`` the graph is recorded as it runs, without a region: an aten graph of
+    a model whose dtypes are its own (O2/O3), for passes such as `mixprec.graph.kernels`.
 
     Args:
         gm: a torch-level graph (what dynamo passes to a backend).
@@ -59,6 +63,8 @@ def trace_with_policy(
     interpreter = _Annotating(gm)
 
     def run(*args: Any) -> Any:
+        if not region:
+            return interpreter.run(*args)
         with autocast(device_type, dtype=dtype, policy=policy):
             return interpreter.run(*args)
 

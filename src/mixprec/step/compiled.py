@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from mixprec.errors import PolicyError, format_options
 from mixprec.fp8.convert import fp8_update
 from mixprec.levels.optimizer import AmpOptimizer
 from mixprec.scaling import contract
@@ -109,11 +110,29 @@ class CountingBackend:
     Args:
         backend: the backend that compiles them (a name or a callable); ``torch.compile``'s
             `mode` and `options` reach it as they would reach it directly.
+        kernels: `mixprec.graph.kernels`' mode for graphs that run in their own dtypes (an
+            O2/O3 model's forward): ``'native'`` hands graphs on as they are; ``'auto'`` and
+            ``'fp32'`` record them at aten level first (one extra trace) and choose the route
+            of their heavy low-precision ops on a CPU.
+
+    Attributes:
+        compiles: graphs compiled so far.
+        kernel_choices: a `KernelChoice` per heavy low-precision op compiled (CPU).
     """
 
-    def __init__(self, backend: str | Callable[..., Any] = "inductor") -> None:
+    def __init__(
+        self, backend: str | Callable[..., Any] = "inductor", kernels: str = "native"
+    ) -> None:
+        from mixprec.graph.kernels import KERNEL_MODES
+
+        if kernels not in KERNEL_MODES:
+            raise PolicyError(
+                f"unknown kernels mode {kernels!r}; valid: {format_options(KERNEL_MODES)}."
+            )
         self.backend = backend
+        self.kernels = kernels
         self.compiles = 0
+        self.kernel_choices: list[Any] = []
 
     def __call__(
         self,
@@ -122,10 +141,20 @@ class CountingBackend:
         mode: str | None = None,
         options: dict[str, Any] | None = None,
     ) -> Callable[..., Any]:
-        from mixprec.graph.backend import _inner_backend
+        from mixprec.graph.backend import _inner_backend, _unkept_operators
 
         self.compiles += 1
         inner = _inner_backend(self.backend, mode, options)
+        tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
+        on_cpu = bool(tensors) and all(t.device.type == "cpu" for t in tensors)
+        if self.kernels != "native" and on_cpu and not _unkept_operators(gm):
+            from mixprec.graph.kernels import choose_kernels
+            from mixprec.graph.trace import trace_with_policy
+            from mixprec.policy.policy import Policy
+
+            gm = trace_with_policy(gm, example_inputs, "cpu", torch.bfloat16, Policy(),
+                                   region=False)  # fmt: skip
+            self.kernel_choices += choose_kernels(gm, "cpu", self.kernels)
         return gm if inner == "eager" else inner(gm, example_inputs)
 
 

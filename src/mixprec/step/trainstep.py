@@ -340,9 +340,9 @@ class TrainStep:
                                        device_type=opts.device_type, **kwargs)  # fmt: skip
                 self.amp_backend = compiled.mixprec_backend
                 return compiled
-            kwargs.pop("kernels", None)  # O2/O3: the model's own dtypes, nothing to choose
-            kwargs.pop("casts", None)
-            self._forward_backend = CountingBackend(kwargs.pop("backend", "inductor"))
+            kwargs.pop("casts", None)  # O2/O3: the model's own dtypes, no cast pass
+            backend, kernels = kwargs.pop("backend", "inductor"), kwargs.pop("kernels", "auto")
+            self._forward_backend = CountingBackend(backend, kernels=kernels)
             return torch.compile(forward, backend=self._forward_backend, **kwargs)
         if opts.patch_torch_functions:  # O1: the loss too runs under autocast, as in the loop
             from mixprec.eager.autocast import autocast
@@ -719,9 +719,15 @@ class TrainStep:
             )
             if self._compile_blocked is not None:
                 lines.append(f"  not compiled: {self._compile_blocked}")
-        if self.amp_backend is not None and self.amp_backend.kernel_choices:
+        if self.amp_backend is not None:
+            choices = self.amp_backend.kernel_choices
+        else:
+            choices = self._forward_backend.kernel_choices if self._forward_backend else []
+        if choices:
+            from mixprec.graph.kernels import summary
+
             lines.append("  kernels (measured on this machine):")
-            lines += ["    " + line for line in self.amp_backend.kernel_summary().splitlines()]
+            lines += ["    " + line for line in summary(choices).splitlines()]
         if is_initialized():
             lines.append(f"  distributed:{self._collectives()[1:]}")
         lines += [f"  changed: {note}" for note in self.notes]
