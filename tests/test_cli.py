@@ -85,6 +85,12 @@ def test_tiny_train_writes_png_and_json(tiny_train):
     assert result["meta"]["data"].startswith("digits: 1437 train / 360 test")
     assert (run / "train.png").read_bytes()[:4] == b"\x89PNG"
     assert "within noise" in out.stdout or "OUTSIDE noise" in out.stdout
+    # Training state per parameter, exact from the tensors (mixprec.memory_report): fp32
+    # AdamW holds 16 bytes (and a few step counters); O2 holds more (bf16 weights besides the
+    # fp32 masters).
+    held = {s["mode"]: s["state_bytes_per_param"] for s in result["summary"]}
+    assert 16.0 <= held["fp32"] < 16.01 and held["O2"] > held["fp32"]
+    assert "B/param" in out.stdout
 
 
 def test_cifar10_loader_reads_the_python_pickle_format(tmp_path):

@@ -564,15 +564,23 @@ def _train(args: argparse.Namespace) -> int:
         return 0
     summary = train.summarize(records)
     meta = {**report.metadata(device), "world_size": ctx.world_size}
-    print(f"\n  {'mode':10s} {'test accuracy':>22s} {'train time':>11s} {'x fp32':>7s}  vs fp32")
+    print(f"\n  {'mode':10s} {'test accuracy':>22s} {'train time':>11s} {'x fp32':>7s} "
+          f"{'B/param':>8s}  vs fp32")  # fmt: skip
     for r in summary:
         acc = f"{100 * r['accuracy_mean']:.2f}% +- {100 * r['accuracy_std']:.2f}"
         speed = "-" if r["speedup_vs_fp32"] is None else f"{r['speedup_vs_fp32']:.2f}x"
         verdict = ("-" if r["within_noise_of_fp32"] is None else
                    "within noise" if r["within_noise_of_fp32"] else "OUTSIDE noise")  # fmt: skip
-        print(f"  {r['mode']:10s} {acc:>22s} {r['train_time_s']:10.1f}s {speed:>7s}  {verdict}")
+        held = r.get("state_bytes_per_param")
+        held = "-" if held is None else f"{held:.2f}"
+        print(f"  {r['mode']:10s} {acc:>22s} {r['train_time_s']:10.1f}s {speed:>7s} {held:>8s}  "
+              f"{verdict}")  # fmt: skip
     if len(seeds) == 1:
         print("  (one seed: the noise band is a floor of 0.5 points; use --seeds 3 for a spread)")
+    print(
+        "  (B/param: training state held after backward, per parameter: weights, gradients, "
+        "masters, optimizer state; mixprec.memory_report)"
+    )
     title = (f"mixprec train: {data.name}, {args.model}, {device} {dtype_name(dtype)}, "
              f"{len(seeds)} seed(s), torch {meta['torch']}")  # fmt: skip
     train.plot(png, records, title)

@@ -27,7 +27,7 @@ from mixprec.dtypes import dtype_name
 
 __all__ = ["MODELS", "MODES", "figure", "plot", "summarize", "train"]
 
-MODES = ("fp32", "torch.amp", "O1", "O2", "O3")
+MODES = ("fp32", "torch.amp", "O1", "O2", "O3", "O4")
 MODELS = ("cnn", "resnet50")
 
 
@@ -133,6 +133,7 @@ def _run(
 
         region = null  # the model's own hooks apply the level in eval too
     source = None if mode in ("fp32", "torch.amp") or amp.scaler is None else amp
+    stepped = opt if mode in ("fp32", "torch.amp") else amp  # what memory_report reads
     # One writer, on rank 0 (reading the scaler there needs no collective).
     writer, metrics = _telemetry(tensorboard if rank == 0 else None, f"{mode}-seed{seed}", source)
     g = torch.Generator().manual_seed(seed)
@@ -174,6 +175,11 @@ def _run(
         tick(f"{what}: epoch {epoch}/{epochs}, test accuracy {100 * test_acc:.1f}%", 1)
     if writer is not None:
         writer.close()
+    # Training state held after the last step's backward (its gradients are still there),
+    # exactly, by component (mixprec.memory_report): on the last record.
+    state = mixprec.memory_report(plain, stepped)
+    curve[-1]["state_bytes_per_param"] = state.per_param()
+    curve[-1]["state_bytes"] = dict(state.bytes)
     return curve
 
 
@@ -240,7 +246,8 @@ def train(
 
 
 def summarize(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per mode: final accuracy over seeds (mean, std, min, max), time, and the verdict vs fp32."""
+    """Per mode: final accuracy over seeds (mean, std, min, max), time, the verdict vs fp32, and
+    the training state's bytes per parameter (`mixprec.memory_report`)."""
     modes = list(dict.fromkeys(r["mode"] for r in records))
     last: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     final_epoch = max(r["epoch"] for r in records)
@@ -255,6 +262,7 @@ def summarize(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             "accuracy_std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
             "accuracy_min": min(accs), "accuracy_max": max(accs),
             "train_time_s": statistics.fmean(r["time_s"] for r in last[m]),
+            "state_bytes_per_param": last[m][0].get("state_bytes_per_param"),
         })  # fmt: skip
     base = next((r for r in rows if r["mode"] == "fp32"), None)
     for r in rows:
