@@ -204,6 +204,7 @@ def test_healing_moves_the_overflowing_module_and_the_run_continues_as_the_heale
     move = healer.moves[0]
     assert move.phase == "forward" and move.overflows == 3 and move.op == "mm"
     assert "keep_fp32('ff.wo')" in str(move) and "no loss scale fixes" in str(move)
+    assert "its forward (op mm) produced the first inf of 3 skipped steps" in str(move)
     assert not healer.diagnosing  # the watch came off after `quiet` clean updates
     after = [i for i, v in enumerate(losses) if i > move.update + 1]
     assert after and all(torch.isfinite(torch.tensor(losses[i])) for i in after)

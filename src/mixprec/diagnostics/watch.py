@@ -120,6 +120,15 @@ _CANNOT_OVERFLOW = frozenset({
 })  # fmt: skip
 
 
+def _writes_inf(args: tuple, kwargs: dict | None) -> bool:
+    """Whether an op is given an infinite Python number to write (``masked_fill(mask,
+    -inf)``, ``full(..., -inf)``): its infinities are intended, not an overflow."""
+    for value in (*args, *(kwargs or {}).values()):
+        if isinstance(value, float) and math.isinf(value):
+            return True
+    return False
+
+
 class _OpChecks(TorchDispatchMode):
     """Checks each aten op's output inside a watched forward or inside backward."""
 
@@ -131,6 +140,8 @@ class _OpChecks(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func.is_view or func._overloadpacket in _CANNOT_OVERFLOW:
             return out
+        if _writes_inf(args, kwargs):
+            return out  # an infinity on purpose: a -inf attention mask (masked_fill, full)
         w = self.watch
         if w._modules:
             module, phase = w._modules[-1], FORWARD

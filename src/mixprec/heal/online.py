@@ -49,6 +49,7 @@ from mixprec.diagnostics.watch import NonFiniteEvent, watch_nonfinite, watcher_o
 from mixprec.errors import MixprecError
 from mixprec.heal.config import HealConfig
 from mixprec.levels.keep_fp32 import Fp32Modules
+from mixprec.policy.fp32_modules import escalate
 from mixprec.policy.policy import Policy
 
 __all__ = [
@@ -64,6 +65,7 @@ __all__ = [
 
 FORMAT = "mixprec.Healer/1"
 _FP16_MAX = torch.finfo(torch.float16).max
+_CASTS = frozenset({"_to_copy", "to", "copy_", "_to_dtype"})
 _GRADIENT = {"input-grad": "gradient w.r.t. its input", "param-grad": "parameter gradient"}
 _HEALERS: weakref.WeakKeyDictionary[Any, Healer] = weakref.WeakKeyDictionary()
 
@@ -89,7 +91,8 @@ class HealMove:
         kind: ``'inf'`` or ``'nan'``.
         overflows: skipped steps it caused within `window` updates (healing's K of N).
         window: N.
-        max_before: the largest finite magnitude seen before the first inf/NaN in that step.
+        max_before: the largest finite magnitude the watch checked before the first inf/NaN in
+            that step (of any dtype: an fp32 intermediate may be larger than fp16's range).
         scale: the loss scale when it was moved.
         model: which model of the ``initialize`` call (0 for the first).
         escalated_from: the module named by the watch, when it was in fp32 already and its
@@ -116,10 +119,11 @@ class HealMove:
                     f"first to produce inf/NaN{op} on {often}, so the overflow comes from "
                     f"{self.module!r}'s own code around it")  # fmt: skip
         elif self.phase == "forward":
-            what = (f"its forward output{op} was the first inf/NaN of {often}; the largest "
-                    f"finite value before it was {self.max_before:.3g} (fp16 ends at "
-                    f"{_FP16_MAX:.0f}), and no loss scale fixes a forward value, which is not "
-                    f"scaled")  # fmt: skip
+            made = "a cast to the low dtype in its forward" if self.op in _CASTS else (
+                f"its forward{op}")  # fmt: skip
+            what = (f"{made} produced the first {self.kind} of {often}: a value past the low "
+                    f"dtype's range (fp16 ends at {_FP16_MAX:.0f}), and no loss scale fixes a "
+                    f"forward value, which is not scaled")  # fmt: skip
         else:
             what = (f"its {_GRADIENT.get(self.phase, self.phase)}{op} was the first inf/NaN of "
                     f"{often} while the loss scale was {self.scale:g}: the gradients overflow "
@@ -343,13 +347,11 @@ class Healer:
     def _move(self, key: tuple[int, str], hits: list[tuple[int, NonFiniteEvent]], updates: int,
               scale: float | None) -> None:  # fmt: skip
         index, name = key
-        fp32 = self._targets[index][1]
+        model, fp32 = self._targets[index]
         kept = fp32.names
         event = hits[-1][1]
-        target, escalated = name, None
-        while target and any(target == k or target.startswith(k + ".") for k in kept):
-            escalated = escalated or name
-            target = target.rpartition(".")[0]
+        target, up = escalate(model, name, kept)
+        escalated = name if up else None
         if not target:
             op = f" in op {event.op}" if event.op else ""
             where = (f"the model's own forward (outside its submodules){op}" if escalated is None

@@ -49,7 +49,7 @@ from mixprec.eager.autocast import autocast
 from mixprec.errors import MixprecError
 from mixprec.levels.keep_fp32 import Fp32Modules
 from mixprec.levels.model import amp_hooks
-from mixprec.policy.fp32_modules import select_fp32
+from mixprec.policy.fp32_modules import escalate, select_fp32
 from mixprec.policy.policy import Policy, as_policy
 from mixprec.step.batch import loss_from
 
@@ -326,8 +326,15 @@ def _inside(name: str, kept: Iterable[str]) -> bool:
 _Move = tuple[str, str, float, float, str]  # module, why, measured, limit, detail
 
 
-def _next_move(runs: list[_Pass], refs: list[_Pass], kept: list[str], act_tol: float,
-               grad_tol: float, low: torch.dtype) -> _Move | str | None:  # fmt: skip
+def _next_move(
+    model: nn.Module,
+    runs: list[_Pass],
+    refs: list[_Pass],
+    kept: list[str],
+    act_tol: float,
+    grad_tol: float,
+    low: torch.dtype,
+) -> _Move | str | None:
     """The next module to keep, with why/measured/limit/detail; a string: why nothing can be
     moved; None: all budgets are met."""
     top = torch.finfo(low).max
@@ -338,10 +345,7 @@ def _next_move(runs: list[_Pass], refs: list[_Pass], kept: list[str], act_tol: f
             continue
         if e.module is None:
             return f"an op outside the model's modules produced inf/NaN ({e}); nothing to move"
-        target = e.module
-        escalated = False
-        while target and _inside(target, kept):
-            target, escalated = target.rpartition(".")[0], True
+        target, escalated = escalate(model, e.module, kept)
         if not target:
             return (f"the model's own forward (outside its submodules) produced the first "
                     f"inf/NaN ({e}); put that code in a submodule so it can be kept in "
@@ -491,7 +495,7 @@ def tune_policy(
         moves: list[TuneMove] = []
         notes: list[str] = []
         while True:
-            found = _next_move(runs, refs, kept, act_tol, grad_tol, low)
+            found = _next_move(model, runs, refs, kept, act_tol, grad_tol, low)
             if found is None:
                 break
             if isinstance(found, str):

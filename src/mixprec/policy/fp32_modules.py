@@ -29,7 +29,7 @@ from torch import nn
 
 from mixprec.errors import PolicyError
 
-__all__ = ["check_selector", "missing_selectors", "select_fp32"]
+__all__ = ["check_selector", "escalate", "missing_selectors", "select_fp32"]
 
 _FORBIDDEN = set(",+=@ \t\n")
 
@@ -92,3 +92,23 @@ def missing_selectors(models: Iterable[nn.Module], selectors: Iterable[str]) -> 
         if any(select_fp32(m, [selector], strict=False) for m in models):
             continue
         select_fp32(models[0], [selector])  # raises, naming the closest modules
+
+
+def escalate(model: nn.Module, name: str, kept: Iterable[str]) -> tuple[str, bool]:
+    """The module to keep in fp32 for an overflow first seen in `name`: `name` itself, or, when
+    it runs in fp32 already (it or an ancestor is in `kept`), the nearest ancestor outside
+    `kept` whose forward runs (a ``ModuleList`` is never called: hooks on it never fire). The
+    flag says whether it moved up; ``''`` means only the model itself is left."""
+    modules = dict(model.named_modules())
+    kept = list(kept)
+    target, moved = name, False
+
+    def inside(n: str) -> bool:
+        return any(n == k or n.startswith(k + ".") for k in kept)
+
+    def runs(n: str) -> bool:
+        return type(modules[n]).forward is not nn.Module.forward
+
+    while target and (inside(target) or not runs(target)):
+        target, moved = target.rpartition(".")[0], True
+    return target, moved
