@@ -163,8 +163,13 @@ def _run_distributed(path: Path) -> None:
 
         import torch.distributed as dist
 
+        # The blocks' objects (a DDP model's reducer holds the gloo group) go while the group
+        # exists and this thread can still give up the GIL: a group destroyed later, by the
+        # namespace's own deallocation, waits on gloo's worker thread, which waits for the GIL
+        # (a deadlock seen in a full run).
+        namespace.clear()
+        gc.collect()
         if dist.is_available() and dist.is_initialized():
-            gc.collect()  # DDP reducers go while the group exists
             dist.destroy_process_group()
 
 

@@ -230,13 +230,15 @@ def _time_block(
         for m in members:
             if len(m.warm) < pre:
                 label(f"{where}: warming up {m.variant.name}")
-            if w.device == "cpu" and len(m.warm) < pre - 1:
+            if w.device == "cpu" and m.peak_mib is None:
                 # Peak memory from a warm-up step run under the profiler (bench.memory): not
-                # the last one, whose time sizes the timed steps. Building the timeline is
+                # the last one, whose time sizes the timed steps; with fewer than two warm-up
+                # steps, one more step, untimed and not counted. Building the timeline is
                 # analysis, outside the budget like compiling.
                 start = time.perf_counter()
                 m.peak_mib, step_s = cpu_peak_mib(m.step)
-                m.warm.append(step_s)
+                if len(m.warm) < pre - 1:
+                    m.warm.append(step_s)
                 analysis = time.perf_counter() - start - step_s
                 end += analysis
                 if clock is not None:
