@@ -535,7 +535,7 @@ def table(summary: dict[str, Any], peer_rows: list[dict[str, Any]]) -> str:
 def plot(runs: list[dict[str, Any]], path: str) -> None:
     from mixprec._optional import require_matplotlib
 
-    plt = require_matplotlib("the zoo's PNG")
+    plt = require_matplotlib()
     names = list(dict.fromkeys(r["model"] for r in runs))
     fig, axes = plt.subplots(len(names), 2, figsize=(12, 3.2 * len(names)), squeeze=False)
     colors = {"fp16": "tab:red", "tuned": "tab:green", "heal": "tab:blue", "bf16": "tab:orange",
