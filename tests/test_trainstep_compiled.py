@@ -368,6 +368,35 @@ def test_one_real_probe_per_family_decides_every_shape():
     assert set(kernels._CACHE) == {("matmul", torch.bfloat16), ("convolution", torch.bfloat16)}
 
 
+def test_the_probe_times_the_fp32_route_in_fp32_inside_an_autocast_region(monkeypatch):
+    """TrainStep's O1 forward compiles inside its autocast region: the probe must not inherit
+    it (the fp32 route then ran in bf16, both routes timed the slow kernel and, cached, every
+    later choice in the process kept the 16-bit kernel: 840 ms against fp32's 32 ms a step)."""
+    from mixprec.graph import kernels
+
+    dtypes: list[torch.dtype] = []
+    real_mm = torch.nn.functional.linear
+
+    def timed(a, b, rounds=3):
+        a()
+        b()
+        return 2.0, 1.0
+
+    def linear(x, w, *rest):
+        dtypes.append(torch.mm(x.reshape(-1, x.shape[-1]), w.t()).dtype)
+        return real_mm(x, w, *rest)
+
+    kernels._CACHE.clear()
+    monkeypatch.setattr(kernels, "_time_pair", timed)
+    monkeypatch.setattr(torch.nn.functional, "linear", linear)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16), mixprec.autocast("cpu", dtype="bf16"):
+            assert kernels.probe("matmul", torch.bfloat16) == (2.0, 1.0)
+    finally:
+        kernels._CACHE.clear()
+    assert torch.float32 in dtypes, dtypes  # the fp32 route multiplied in fp32
+
+
 def test_kernel_mode_errors_list_the_options():
     with pytest.raises(mixprec.PolicyError) as err:
         mixprec.AmpBackend(kernels="fastest")

@@ -33,6 +33,7 @@ with the probe's timings in a `KernelChoice`, shown by `mixprec.AmpBackend.kerne
 from __future__ import annotations
 
 import math
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -242,7 +243,24 @@ def probe(family: str, low: torch.dtype) -> tuple[float, float]:
 
             return go
 
-        _CACHE[key] = _time_pair(run(False), run(True))
+        # Timed on a thread of its own: the caller may be compiling inside an autocast region
+        # (TrainStep's O1 forward), whose thread-local state would run the fp32 route in the
+        # low dtype too (both routes then measure the 16-bit kernel); a new thread starts with
+        # no autocast, no dispatch or function modes and gradients enabled.
+        result: list[Any] = []
+
+        def timed() -> None:
+            try:
+                result.append(_time_pair(run(False), run(True)))
+            except BaseException as err:  # re-raised in the caller's thread
+                result.append(err)
+
+        worker = threading.Thread(target=timed, name="mixprec-kernel-probe")
+        worker.start()
+        worker.join()
+        if isinstance(result[0], BaseException):
+            raise result[0]
+        _CACHE[key] = result[0]
     return _CACHE[key]
 
 
