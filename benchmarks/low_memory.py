@@ -483,7 +483,8 @@ def main(argv: list[str] | None = None) -> int:
         variants = [v for v in variants if not v.startswith("torchao")]
     text = None
     results: dict = {}
-    for task in args.tasks.split(","):
+    tasks = [t for t in args.tasks.split(",") if t]  # --tasks '': speed only
+    for task in tasks:
         if task == "chargpt":
             train, val, source = _stdlib_text(args.text_mb)
             text = (train, val)
@@ -535,7 +536,8 @@ def _merge(paths: list[str], out_json: str | None, out_table: str | None) -> int
     runs: dict = {}
     speeds = None
     for part in parts:
-        runs.update(part.get("runs") or {})
+        for task, variants in (part.get("runs") or {}).items():  # per task: runs add variants
+            runs.setdefault(task, {}).update(variants)
         speeds = part.get("speed") or speeds
     meta = dict(parts[0]["meta"])
     meta["command"] = " && ".join(p["meta"]["command"] for p in parts)
