@@ -493,7 +493,8 @@ def test_memory_report_is_exact_for_fp32_adamw():
 @pytest.mark.parametrize(
     ("level", "kw", "most"),
     [("O4", {}, 6.1), ("O4", {"master_weights": "kahan"}, 8.1),
-     ("O2", {"master_weights": "split"}, 14.1), ("O2", {"optimizer_states": "8bit"}, 12.1)],
+     ("O2", {"master_weights": "split"}, 14.1), ("O2", {"optimizer_states": "8bit"}, 10.1),
+     ("O2", {}, 16.01)],
 )  # fmt: skip
 def test_low_memory_configurations_meet_their_bytes_per_parameter(level, kw, most):
     model = _issue_mlp()
@@ -503,3 +504,49 @@ def test_low_memory_configurations_meet_their_bytes_per_parameter(level, kw, mos
     assert report.per_param() <= most, str(report)
     assert report.per_param() >= most - 0.2, str(report)
     assert report.bytes["gradients"] in (2 * report.params, 4 * report.params)
+
+
+def test_o2_holds_no_more_training_state_than_fp32_between_backward_and_step():
+    fp32 = _issue_mlp()
+    fp32_opt = torch.optim.AdamW(fp32.parameters())
+    for _ in range(2):  # a step, then a backward: gradients and state held
+        fp32_opt.zero_grad()
+        fp32(torch.randn(8, 512)).pow(2).mean().backward()
+        if not fp32_opt.state:
+            fp32_opt.step()
+    model = _issue_mlp()
+    model, opt = mixprec.initialize(model, torch.optim.AdamW(model.parameters()), "O2",
+                                    dtype="bf16")  # fmt: skip
+    _after_backward(model, opt)
+    o2, ref = memory_report(model, opt), memory_report(fp32, fp32_opt)
+    assert o2.per_param() <= ref.per_param(), f"{o2}\n{ref}"
+    assert o2.bytes["gradients"] == 2 * o2.params  # bf16, on the model, until the step
+    # What clipping reads (master_params) is fp32: the exact upcast, moved into the masters.
+    grads = [p.grad.float() for p in model.parameters()]
+    masters = list(mixprec.master_params(opt))
+    assert all(p.grad is None for p in model.parameters())
+    for m, g in zip(masters, grads, strict=True):
+        assert m.grad.dtype == torch.float32 and torch.equal(m.grad, g)
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_o2_deferred_gradients_step_exactly_as_moved_ones(micro_batches):
+    """bf16 O2 leaves a backward's gradients on the model until the step (or the next
+    backward): the trajectory is bitwise the one where each backward's gradients move into
+    fp32 at once, micro-batches adding up in fp32."""
+    runs = []
+    for move_at_once in (False, True):
+        model = _mlp()
+        model, opt = mixprec.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                        "O2", dtype="bf16")  # fmt: skip
+        for i, (x, y) in enumerate(_batches(4 * micro_batches)):
+            with mixprec.scale_loss(F.cross_entropy(model(x).float(), y), opt) as s:
+                s.backward()
+            if move_at_once:
+                opt._after_backward()
+            if (i + 1) % micro_batches == 0:
+                opt.step()
+                opt.zero_grad()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)

@@ -347,22 +347,27 @@ class AmpEngine:
                 amp.optimizer.zero_grad(set_to_none=True)
         for amp in self.optimizers:
             amp._scaling.scaled = True  # the loss of this iteration is scaled (by us)
+            amp._after_backward()  # (O2) an earlier micro-batch's gradients: add up in fp32
         return loss if self.scaler is None else self.scaler.scale(loss)
 
     def after_backward(self) -> None:
-        """End a backward: in O2, add the low-precision gradients into the fp32 masters."""
+        """End a backward: in O2, add the low-precision gradients into the fp32 masters (bf16:
+        when the step or clipping needs them, `AmpOptimizer._after_backward`)."""
         if self.options.master_weights:
             for amp in self.optimizers:
-                amp._after_backward()
+                amp._after_backward(defer=self.scaler is None)
 
     # ------------------------------------------------------------------ step
 
     def unscale_(self, optimizer: Any) -> None:
         """Divide `optimizer`'s gradients by the scale, once per iteration (to clip, inspect)."""
         amp = self._amp(optimizer)
+        if isinstance(amp, AmpOptimizer):
+            # (O2) into the masters, where clipping reads them: gradients a bf16 backward left
+            # on the model, or of a backward that bypassed after_backward.
+            amp._after_backward()
         if self.scaler is None or not isinstance(amp, AmpOptimizer):
             return
-        amp._after_backward()  # (O2) gradients of a backward that bypassed after_backward
         inner = amp.optimizer
         # Once per iteration: the scaler's own stage machine knows (reset by update()).
         state = self.scaler._per_optimizer.get(id(inner))
@@ -374,7 +379,11 @@ class AmpEngine:
 
     def main_params(self, optimizer: Any) -> Iterator[torch.Tensor]:
         """The tensors `optimizer` steps (fp32 masters in O2): what clipping must act on."""
-        for group in self._amp(optimizer).param_groups:
+        amp = self._amp(optimizer)
+        if isinstance(amp, AmpOptimizer):
+            yield from amp.master_params()
+            return
+        for group in amp.param_groups:
             yield from group["params"]
 
     def clip_grad_norm_(self, optimizer: Any, max_norm: float, norm_type: float = 2.0) -> Any:

@@ -350,8 +350,11 @@ def scale_loss(
 
     ``with mixprec.scale_loss(loss, optimizer) as scaled: scaled.backward()``. Inside, gradients
     are ``scale * g``; on exit they are unscaled and checked for overflow (charged to loss
-    `loss_id`), and in O2 moved into the fp32 master weights, so code after the block (clipping,
-    logging) sees true fp32 gradients. Several blocks per iteration accumulate.
+    `loss_id`). In O2 they are moved into the fp32 master weights, so code after the block that
+    reads ``mixprec.master_params(optimizer)`` (clipping, logging) sees true fp32 gradients;
+    without loss scaling (bf16) the move waits until then, or until the step, which keeps O2's
+    training state between backward and step at fp32 training's (`AmpOptimizer`). Several
+    blocks per iteration accumulate, in fp32.
     """
     opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
     if not opts or not all(isinstance(o, AmpOptimizer) for o in opts):
@@ -372,8 +375,8 @@ def scale_loss(
     scaler = scaling.scaler
     if scaler is None:
         yield loss
-        for o in opts:
-            o._after_backward()
+        for o in opts:  # (O2) they stay in the low dtype until the step needs them in fp32
+            o._after_backward(defer=True)
         return
     with scaler.scaled(loss, [o.optimizer for o in opts], loss_id) as scaled:
         yield scaled
@@ -393,5 +396,8 @@ def master_params(optimizer: AmpOptimizer) -> Iterator[torch.Tensor]:
             f"master_params expects an optimizer (one returned by mixprec.initialize), got "
             f"{type(optimizer).__name__}."
         )
+    if isinstance(optimizer, AmpOptimizer):
+        yield from optimizer.master_params()
+        return
     for group in optimizer.param_groups:
         yield from group["params"]

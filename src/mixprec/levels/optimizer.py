@@ -9,7 +9,11 @@ optimizer object is left alone.
 The O2 step, and what it costs:
 
 1. after each backward (``scale_loss`` exit), the low-precision gradients are added into the
-   masters' fp32 gradients and dropped, so accumulation over micro-batches happens in fp32;
+   masters' fp32 gradients and dropped, so accumulation over micro-batches happens in fp32.
+   Without loss scaling (bf16) the first backward's gradients wait on the model in bf16 until
+   the step, ``master_params`` or the next backward moves them: 2 bytes per parameter between
+   backward and step instead of 4, so O2 holds fp32 training's 16 bytes per parameter there
+   (AdamW), not 18; the fp32 gradients exist only from the move to the next iteration;
 2. the scaler unscales and checks the master gradients (fp16) and ``step`` runs the inner
    optimizer on the masters, skipped on the device on overflow;
 3. the masters are copied back into the model's weights (one multi-tensor cast-copy), which is
@@ -285,7 +289,10 @@ class AmpOptimizer(torch.optim.Optimizer):
         return self.scaler.get_scale() if self.scaler is not None else 1.0
 
     def master_params(self) -> Iterable[torch.Tensor]:
-        """The tensors the inner optimizer steps (fp32 masters in O2; the model's otherwise)."""
+        """The tensors the inner optimizer steps (fp32 masters in O2; the model's otherwise),
+        with this iteration's gradients on them (moved from the model's weights if a backward
+        left them there)."""
+        self._after_backward()
         for group in self.param_groups:
             yield from group["params"]
 
@@ -336,19 +343,33 @@ class AmpOptimizer(torch.optim.Optimizer):
             self._master_map.add(low, master)
 
     def _start_backward(self) -> None:
-        """``scale_loss`` entry: the first after a step drops the masters' stale gradients."""
+        """``scale_loss`` entry: the first after a step drops the masters' stale gradients; a
+        later one (accumulation) first moves the gradients an earlier backward left on the
+        model into the masters, so micro-batches add up in fp32, not in the low dtype."""
         if self._stepped:
             self._stepped = False
             for master in self._masters:
                 master.grad = None
+        self._after_backward()
 
-    def _after_backward(self) -> None:
-        """Move the model's low-precision gradients into the fp32 masters (O2)."""
+    def _after_backward(self, defer: bool = False) -> None:
+        """Move the model's low-precision gradients into the fp32 masters (O2).
+
+        With `defer` (a backward without loss scaling), a gradient whose master has none yet
+        stays on the model's weight in the low dtype until something needs it in fp32: the
+        step, `master_params`, or the next backward (accumulation). Between backward and step
+        O2 then holds 2 bytes of gradient per parameter, not 4: as much training state as
+        fp32 training (16 bytes per parameter with AdamW), where the fp32 copy made here
+        held 18. The values are the same either way: the fp32 gradient is the exact upcast of
+        the low one. Scaled gradients (fp16) move at once: they are unscaled in fp32.
+        """
         with torch.no_grad():
             for low, master in zip(self._low, self._masters, strict=True):
                 if low.grad is None:
                     continue
                 if master.grad is None:
+                    if defer:
+                        continue
                     master.grad = low.grad.to(master.dtype)
                 else:
                     master.grad.add_(low.grad)
