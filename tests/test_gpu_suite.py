@@ -72,6 +72,7 @@ def test_smoke_runs_every_registered_part_ok(smoke):
     assert all(r["status"] == "ok" for r in doc["parts"].values()), _problems(doc)
     (call,) = doc["calls"]
     assert call["mode"] == "smoke" and call["device"] == "cpu"
+    assert call["launcher"].startswith("forked from one server that imported torch")
     assert call["parts_run"] == list(doc["parts"])
     print(f"smoke run: {smoke['seconds']:.0f} s")  # shown with -s; the budget is 2 minutes
 
@@ -182,18 +183,38 @@ def test_summarize_merges_calls_and_keeps_the_ok_record(tmp_path):
 
 
 def _part(name: str, priority: int, code: str, **kw) -> core.Part:
+    """A part running `code` (OUT: where it writes its figure) as a script, like real parts
+    (so a `Preloaded` launcher forks it)."""
+
     def extract(ctx, log):
         with open(ctx.path("value.json")) as fh:
             f = core.Figures()
             f.put("value", json.load(fh))
             return f
 
+    def command(ctx):
+        script = Path(ctx.path("part.py"))
+        script.write_text(code.replace("OUT", repr(ctx.path("value.json"))))
+        return [sys.executable, str(script)]
+
     kw = {"extract": extract, "estimate_s": 1, "timeout_s": 30, **kw}
-    return core.Part(name=name, title=name, priority=priority,
-                     command=lambda ctx: [sys.executable, "-c", code.replace(
-                         "OUT", repr(ctx.path("value.json")))],
+    return core.Part(name=name, title=name, priority=priority, command=command,
                      goals=(core.Goal("value", "<=", 1.0, f"{name} value <= 1"),),
                      **kw)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def preloaded():
+    """A forking launcher as the suite makes one (preloading json only: the smoke run above
+    covers torch's preload)."""
+    from suite.launch import Preloaded
+
+    return Preloaded(env.part_env(str(ROOT), [], smoke=True), preload=("json",))
+
+
+@pytest.fixture(params=["fresh", "forked"])
+def launcher(request):
+    return None if request.param == "fresh" else request.getfixturevalue("preloaded")
 
 
 def _alive(pid: int) -> bool:
@@ -209,7 +230,7 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def test_failures_are_recorded_and_the_next_part_still_runs(tmp_path):
+def test_failures_are_recorded_and_the_next_part_still_runs(tmp_path, launcher):
     pidfile = tmp_path / "grandchild.pid"
     hang = ("import subprocess, sys, time\n"
             "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
@@ -232,7 +253,7 @@ def test_failures_are_recorded_and_the_next_part_still_runs(tmp_path):
     records = core.run_parts(
         parts, make_ctx=lambda p: core.Context(False, "cpu", str(tmp_path / p.name), str(ROOT)),
         env=part_env, budget_s=120, started=time.monotonic(), meta={"device": "cpu"},
-        modules=modules, on_record=seen.append)  # fmt: skip
+        modules=modules, on_record=seen.append, launcher=launcher)  # fmt: skip
     assert seen == records and [r["part"] for r in records] == [p.name for p in parts]
     by = {r["part"]: r for r in records}
     assert by["x-crash"]["status"] == "failed" and by["x-crash"]["reason"] == "exit status 3"
@@ -262,7 +283,40 @@ def test_failures_are_recorded_and_the_next_part_still_runs(tmp_path):
             assert rec["goals"][0]["verdict"] == "NOT MEASURED" and rec["goals"][0]["detail"]
 
 
-def test_sigterm_stops_the_part_and_keeps_its_record(tmp_path):
+def test_forked_parts_run_as_fresh_interpreters_would(preloaded, tmp_path):
+    script = tmp_path / "part.py"
+    script.write_text("import os, sys\n"
+                      "print('main' if __name__ == '__main__' else __name__, sys.argv[1:],\n"
+                      "      os.getpgid(0) == os.getpid(), os.environ['MPLBACKEND'])\n"
+                      "raise ValueError('a part that crashes')\n")  # fmt: skip
+    log = tmp_path / "part.log"
+    rc, timed_out, out = core.run_command([sys.executable, str(script), "--x", "1"],
+                                          cwd=str(ROOT), env=preloaded.env, log_path=str(log),
+                                          timeout=60, launcher=preloaded)  # fmt: skip
+    assert (rc, timed_out) == (1, False)
+    assert "main ['--x', '1'] True Agg" in out  # __main__, argv, its own group, the parts' env
+    assert "ValueError: a part that crashes" in out  # the traceback, in the part's log
+    data = tmp_path / "data.json"
+    data.write_text('{"b": 1}')
+    rc, _, out = core.run_command([sys.executable, "-m", "json.tool", str(data)], cwd=str(ROOT),
+                                  env=preloaded.env, log_path=str(log), timeout=60,
+                                  launcher=preloaded)  # fmt: skip
+    assert rc == 0 and '"b": 1' in out
+    assert not preloaded.handles(["/bin/sh", "-c", "echo hi"])  # another program: fresh
+    assert not preloaded.handles([sys.executable, "-c", "print(1)"])
+
+
+def test_the_suite_forks_parts_only_after_a_canary_used_the_device(preloaded, tmp_path,
+                                                                  monkeypatch):  # fmt: skip
+    from suite import launch
+
+    assert preloaded.works(str(tmp_path / "ok")) is None  # a tensor op in a forked child
+    monkeypatch.setattr(launch, "_CANARY", "raise SystemExit('CUDA initialization error')")
+    broken = preloaded.works(str(tmp_path / "broken"))
+    assert broken == "a forked canary failed (exit status 1): CUDA initialization error"
+
+
+def test_sigterm_stops_the_part_and_keeps_its_record(tmp_path, launcher):
     part = _part("x-slow", 1, "import time; print('started', flush=True); time.sleep(60)")
     seen = []
     old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -275,7 +329,8 @@ def test_sigterm_stops_the_part_and_keeps_its_record(tmp_path):
             core.run_parts([part], make_ctx=lambda p: core.Context(
                 False, "cpu", str(tmp_path / p.name), str(ROOT)),
                 env=env.part_env(str(ROOT), [], smoke=True), budget_s=120,
-                started=t0, meta={}, modules={}, on_record=seen.append)  # fmt: skip
+                started=t0, meta={}, modules={}, on_record=seen.append,
+                launcher=launcher)  # fmt: skip
         assert time.monotonic() - t0 < 30
     finally:
         timer.cancel()

@@ -1,4 +1,4 @@
-"""The machinery of ``gpu_suite.py``: parts, goals, one subprocess per part, records, merging.
+"""The machinery of ``gpu_suite.py``: parts, goals, one process per part, records, merging.
 
 Nothing here knows about mixprec: a `Part` is a command line plus a function that turns what
 the command wrote into `Figures`, and a list of `Goal`s judged on those figures. `run_parts`
@@ -194,12 +194,20 @@ def tail(text: str, lines: int = 40, chars: int = 4000) -> str:
 
 
 def run_command(argv: Sequence[str], *, cwd: str, env: dict[str, str], log_path: str,
-                timeout: float) -> tuple[int | None, bool, str]:  # fmt: skip
-    """Run `argv` in its own process group, output to `log_path`: (exit status, timed out, log)."""
+                timeout: float, launcher: Any = None) -> tuple[int | None, bool, str]:  # fmt: skip
+    """Run `argv` in its own process group, output to `log_path`: (exit status, timed out, log).
+
+    `launcher` (a `suite.launch.Preloaded`, whose environment is `env`) forks the command from
+    a server that imported torch once, where it can; otherwise it starts fresh.
+    """
     timed_out = False
     with open(log_path, "w") as log:
         log.write(f"$ {shlex.join(argv)}\n")
         log.flush()
+        if launcher is not None and launcher.handles(argv):
+            rc, timed_out = launcher.run(argv, cwd=cwd, log_path=log_path, timeout=timeout)
+            with open(log_path, errors="replace") as done:
+                return rc, timed_out, done.read()
         proc = subprocess.Popen(list(argv), cwd=cwd, env=env, stdout=log,
                                 stderr=subprocess.STDOUT, **_NEW_GROUP)  # fmt: skip
         try:
@@ -215,7 +223,7 @@ def run_command(argv: Sequence[str], *, cwd: str, env: dict[str, str], log_path:
 
 
 def run_part(part: Part, ctx: Context, *, env: dict[str, str], timeout: float,
-             meta: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+             meta: dict[str, Any], launcher: Any = None) -> dict[str, Any]:  # fmt: skip
     """Run one part; its record (status, figures, judged goals, the command and `meta`)."""
     os.makedirs(ctx.work, exist_ok=True)
     argv = part.command(ctx)
@@ -225,7 +233,7 @@ def run_part(part: Part, ctx: Context, *, env: dict[str, str], timeout: float,
     log_path = ctx.path(f"{part.name}.log")
     try:
         rc, timed_out, output = run_command(argv, cwd=ctx.root, env=env, log_path=log_path,
-                                            timeout=timeout)  # fmt: skip
+                                            timeout=timeout, launcher=launcher)  # fmt: skip
     except Stopped as why:
         record.update(status="timeout", ended=now(), duration_s=round(time.monotonic() - t0, 1),
                       reason=f"the suite was stopped ({why}) while this part ran")  # fmt: skip
@@ -292,12 +300,14 @@ def missing_module_reason(module: str, info: dict[str, Any]) -> str:
 def run_parts(parts: Sequence[Part], *, make_ctx: Callable[[Part], Context],
               env: dict[str, str], budget_s: float, started: float, meta: dict[str, Any],
               modules: dict[str, dict[str, Any]],
-              on_record: Callable[[dict[str, Any]], None]) -> list[dict[str, Any]]:  # fmt: skip
+              on_record: Callable[[dict[str, Any]], None],
+              launcher: Any = None) -> list[dict[str, Any]]:  # fmt: skip
     """Run `parts` in priority order within `budget_s` (counted from `started`, monotonic).
 
     A part is skipped when a module it requires is missing (`modules`: the probe's answers)
     or when its estimate does not fit the budget left; otherwise it runs with its timeout cut
-    to what is left. `on_record` sees each record as soon as it exists.
+    to what is left (forked by `launcher` where it can: `run_command`). `on_record` sees each
+    record as soon as it exists.
     """
     records = []
     for part in sorted(parts, key=lambda p: p.priority):
@@ -326,7 +336,7 @@ def run_parts(parts: Sequence[Part], *, make_ctx: Callable[[Part], Context],
         else:
             limit = min(part.smoke_timeout_s if ctx.smoke else part.timeout_s, left)
             try:
-                record = run_part(part, ctx, env=env, timeout=limit, meta=meta)
+                record = run_part(part, ctx, env=env, timeout=limit, meta=meta, launcher=launcher)
             except Stopped as stop:
                 if stop.record is not None:
                     records.append(stop.record)
