@@ -80,7 +80,7 @@ def test_quantize_picks_the_nearest_code_value_per_block(signed):
     x = x if signed else x.abs()
     x[512:768] = 0  # a block of zeros
     code = codes.dynamic_code(signed)
-    q, absmax = codes.quantize(x, codes.midpoints(code), 256, positive=not signed)
+    q, absmax = codes.quantize(x, codes.search_table(code), 256, positive=not signed)
     assert q.dtype == torch.uint8 and q.numel() == codes.padded_size(3000, 256) == 3072
     assert absmax.shape == (12,) and absmax.dtype == torch.float32
     got = codes.dequantize(q, absmax, code, x.shape)
@@ -94,6 +94,30 @@ def test_quantize_picks_the_nearest_code_value_per_block(signed):
     want = (code[best] * scale).view(-1)[:3000]
     torch.testing.assert_close(got, want, rtol=0, atol=1e-7)
     assert torch.all(got[512:768] == 0)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_the_table_search_counts_midpoints_exactly_as_a_binary_search(signed):
+    code = codes.dynamic_code(signed)
+    search, mids = codes.search_table(code), codes.midpoints(code)
+    g = torch.Generator().manual_seed(0)
+    near = torch.cat([mids, torch.nextafter(mids, mids + 1), torch.nextafter(mids, mids - 1)])
+    spread = torch.rand(200_000, generator=g) * 2 - 1  # uniform in [-1, 1]
+    tiny = torch.randn(100_000, generator=g) * torch.logspace(-12, 0, 100_000)
+    special = torch.tensor([0.0, -0.0, 1.0, -1.0, 2**-126, -(2**-149), 1e-30, -1e-7])
+    v = torch.cat([near, spread, tiny.clamp(-1, 1), special])
+    if not signed:
+        v = v.abs()
+    got = codes.nearest(v, search)
+    assert torch.equal(got, torch.bucketize(v, mids)), v[got != torch.bucketize(v, mids)]
+    assert search.first.dtype == torch.uint8 and search.mids[-1] == float("inf")
+
+
+def test_a_code_too_fine_for_the_search_is_refused():
+    fine = torch.linspace(-1, 1, 256)
+    fine[128:131] = torch.tensor([0.5, 0.5 + 1e-5, 0.5 + 2e-5])  # two midpoints 1e-5 apart
+    with pytest.raises(ValueError, match="one search bucket"):
+        codes.search_table(fine.sort().values)
 
 
 # ---------------------------------------------------------------------- rounding

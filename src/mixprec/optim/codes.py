@@ -3,10 +3,10 @@
 A state tensor is cut into blocks of `block` consecutive elements (256 by default); each block
 keeps its absolute maximum in fp32 and its elements as 8-bit indices into a 256-entry code of
 values in [-1, 1] (or [0, 1]). Dequantizing is a table lookup times the block's maximum;
-quantizing divides by the maximum and picks the nearest code value (a binary search over the
-255 midpoints). Costs: 1 byte per element plus 4 bytes per block (1.016 bytes per element at
-256); the last block is padded to full length, so a tensor of n elements holds
-``ceil(n / block) * block`` codes.
+quantizing divides by the maximum and picks the nearest code value: the number of the 255
+midpoints below it, found with two table reads instead of a binary search (`Search`). Costs:
+1 byte per element plus 4 bytes per block (1.016 bytes per element at 256); the last block is
+padded to full length, so a tensor of n elements holds ``ceil(n / block) * block`` codes.
 
 Why the dynamic code (Dettmers et al., "8-bit Optimizers via Block-wise Quantization", 2022):
 Adam's moments span several orders of magnitude inside one block, and a linear 8-bit code
@@ -20,21 +20,31 @@ sign, 0 and 1; the unsigned code (second moments) has 254 positive values, 0 and
 positive second moment is never stored as 0 (see `quantize`).
 
 Everything here is plain tensor code: no host syncs, no data-dependent Python, so it traces into
-a compiled optimizer step (``torch.bucketize`` and an index lookup).
+a compiled optimizer step (elementwise integer work and table reads, which inductor fuses into
+the update's loop; ``torch.bucketize``'s binary search stays a library call there and was half
+of a compiled O4 step on a CPU).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from typing import NamedTuple
 
 import torch
 
-__all__ = ["BLOCK", "dequantize", "dynamic_code", "midpoints", "padded_size", "quantize"]
+__all__ = ["BLOCK", "Search", "dequantize", "dynamic_code", "midpoints", "nearest",
+           "padded_size", "quantize", "search_table"]  # fmt: skip
 
 #: The default block size (the paper's, and bitsandbytes' and torchao's default).
 BLOCK = 256
 _DECADES = 7
+# The search's buckets: normalized values whose fp32 bit patterns agree above bit 13, a relative
+# width of at most 2^-10, narrower than the closest two midpoints of either code (0.35% apart,
+# beside 1.0), so no bucket holds two midpoints (`search_table` checks it).
+_SHIFT = 13
+_ONE = 0x3F800000  # the bit pattern of 1.0: normalized values lie in [-1, 1]
+_KEYS = _ONE >> _SHIFT
 
 
 def dynamic_code(signed: bool) -> torch.Tensor:
@@ -58,17 +68,71 @@ def padded_size(numel: int, block: int) -> int:
     return math.ceil(numel / block) * block
 
 
+class Search(NamedTuple):
+    """What `quantize` needs to find a value's nearest code value (`search_table`).
+
+    Attributes:
+        mids: the 255 midpoints between consecutive code values, then +inf (256 entries).
+        first: uint8, per bucket of values (the fp32 bit patterns that agree above bit 13,
+            ordered): how many midpoints lie below the bucket's lowest value.
+    """
+
+    mids: torch.Tensor
+    first: torch.Tensor
+
+
+def _bucket(v: torch.Tensor) -> torch.Tensor:
+    """The bucket of each fp32 `v` in [-1, 1] (int64, 0 for -1.0 ... 2 * _KEYS for 1.0).
+
+    The bit pattern, made monotone in the value (negative values count down from 0), shifted:
+    a floor division, so each bucket is an interval of values. Out-of-range values (NaN) are
+    clamped to the ends.
+    """
+    bits = v.contiguous().view(torch.int32).to(torch.int64)
+    ordered = torch.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
+    return (ordered >> _SHIFT).clamp(-_KEYS, _KEYS) + _KEYS
+
+
+def search_table(code: torch.Tensor) -> Search:
+    """The `Search` of `code` (256 sorted values) on its device: 255 KiB, built once.
+
+    Raises:
+        ValueError: two of `code`'s midpoints are closer than a bucket is wide (not the case
+            for `dynamic_code`; a code with finer steps needs a smaller ``_SHIFT``).
+    """
+    mids = midpoints(code.float())
+    keys = torch.arange(-_KEYS, _KEYS + 1, dtype=torch.int64, device=code.device) << _SHIFT
+    bits = torch.where(keys < 0, (-keys) | 0x80000000, keys)  # each bucket's lowest value
+    bits = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
+    first = torch.bucketize(bits.view(torch.float32), mids)
+    if (first[1:] - first[:-1]).max() > 1:
+        raise ValueError("two midpoints of this code fall in one search bucket")
+    inf = torch.full((1,), math.inf, dtype=mids.dtype, device=mids.device)
+    return Search(torch.cat([mids, inf]), first.to(torch.uint8))
+
+
+def nearest(v: torch.Tensor, search: Search) -> torch.Tensor:
+    """The index (int64) of the code value nearest each `v` in [-1, 1]: the number of
+    midpoints below `v`, exactly ``torch.bucketize(v, mids)``.
+
+    A bucket holds at most one midpoint, so the count is its lowest value's count, plus one
+    where `v` is above the first midpoint at or after that lowest value.
+    """
+    first = search.first[_bucket(v)].to(torch.int64)
+    return first + (v > search.mids[first]).to(torch.int64)
+
+
 def quantize(
-    x: torch.Tensor, mids: torch.Tensor, block: int, positive: bool = False
+    x: torch.Tensor, search: Search, block: int, positive: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`x` (any shape, fp32) as (uint8 codes of ``padded_size`` elements, fp32 block maxima).
 
     `positive`: `x` is a second moment (unsigned code, whose value 0 is its first): a positive
     value is never stored as 0.
 
-    `mids` are the 255 midpoints between consecutive code values (`midpoints`): the nearest
-    code value of v is the number of midpoints below it. A block of zeros keeps the maximum 0
-    (and the code of 0), so it dequantizes to exact zeros.
+    `search` is the code's `search_table`: the nearest code value of v is the number of
+    midpoints below it (`nearest`). A block of zeros keeps the maximum 0 (and the code of 0),
+    so it dequantizes to exact zeros.
     """
     flat = x.reshape(-1)
     pad = padded_size(flat.numel(), block) - flat.numel()
@@ -78,7 +142,7 @@ def quantize(
     absmax = blocks.abs().amax(dim=1)
     safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
     normed = blocks / safe.unsqueeze(1)
-    index = torch.bucketize(normed, mids)
+    index = nearest(normed, search)
     if positive:
         # Zero is kept for exact zeros only: a small positive second moment rounded to 0 would
         # make Adam divide its first moment by eps alone (an update of lr * m / eps, the

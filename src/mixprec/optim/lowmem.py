@@ -96,7 +96,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
         if not isinstance(defaults["seed"], int) or isinstance(defaults["seed"], bool):
             raise ArgumentTypeError(f"seed={defaults['seed']!r} must be an int.")
         super().__init__(params, defaults)
-        self._tables: dict[tuple[torch.device, bool], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._tables: dict[tuple[torch.device, bool], tuple[torch.Tensor, codes.Search]] = {}
         for group in self.param_groups:
             _check_choice("weights mode", group["weights"], WEIGHTS)
             _check_choice("states mode", group["states"], STATES)
@@ -111,11 +111,11 @@ class LowMemOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ storage
 
-    def _table(self, device: torch.device, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _table(self, device: torch.device, signed: bool) -> tuple[torch.Tensor, codes.Search]:
         key = (device, signed)
         if key not in self._tables:
             code = codes.dynamic_code(signed).to(device)
-            self._tables[key] = (code, codes.midpoints(code))
+            self._tables[key] = (code, codes.search_table(code))
         return self._tables[key]
 
     def _moments_of(self, group: dict[str, Any]) -> tuple[tuple[str, bool], ...]:
@@ -163,8 +163,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
         """Store the fp32 moment `value` in its precision."""
         held = state[name]
         if held.dtype == torch.uint8:
-            _, mids = self._table(held.device, signed)
-            q, absmax = codes.quantize(value, mids, group["block_size"], positive=not signed)
+            _, search = self._table(held.device, signed)
+            q, absmax = codes.quantize(value, search, group["block_size"], positive=not signed)
             held.copy_(q)
             state[name + "_absmax"].copy_(absmax)
         elif held.dtype == torch.bfloat16:
