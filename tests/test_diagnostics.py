@@ -618,3 +618,54 @@ def test_scale_history_plot_after_one_update_shows_a_point_on_sensible_axes():
         plt.close(fig)
     with pytest.raises(MixprecError, match="no updates yet"):
         mixprec.scale_history(mixprec.GradScaler("cpu")).figure()
+
+
+class _CausalAttention(torch.nn.Module):
+    """Eager attention with a -inf causal mask, the mask cast up for an fp32 softmax."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(d, 3 * d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, -1)
+        att = q @ k.transpose(-2, -1)
+        t = x.shape[1]
+        mask = torch.ones(t, t, dtype=torch.bool).triu(1)
+        return att.masked_fill(mask, float("-inf")).softmax(-1) @ v
+
+
+class _SquaredReLU(torch.nn.Module):
+    """Primer's feed-forward block: ``relu(h) ** 2`` (pow runs in fp32 under autocast)."""
+
+    def __init__(self, d: int = 8, peak: float = 1.0) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(d, 4 * d)
+        self.proj = torch.nn.Linear(4 * d, d)
+        self.peak = peak
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj((torch.relu(self.fc(x)) * self.peak) ** 2)
+
+
+def test_a_causal_mask_is_not_an_overflow_and_the_cast_that_overflows_is_named():
+    """An intended -inf (a causal mask, cast up for softmax) is no overflow; the inf made by
+    casting fp32 values past fp16's range down for a matmul is, and names its module."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 8)
+    gpu = "table=cuda"  # CUDA's lists, as on a GPU: pow in fp32
+    fine = torch.nn.Sequential(_CausalAttention(), _SquaredReLU())
+    model = mixprec.initialize(fine, None, opt_level="O1", dtype="fp16", policy=gpu)
+    with mixprec.watch_nonfinite(model, ops=True) as watch:
+        model(x).float().sum().backward()
+    assert watch.events() == [], watch.summary()
+    hot = torch.nn.Sequential(_CausalAttention(), _SquaredReLU(peak=1e3))
+    model = mixprec.initialize(hot, None, opt_level="O1", dtype="fp16", policy=gpu)
+    with mixprec.watch_nonfinite(model, ops=True) as watch:
+        model(x).float().sum().backward()
+    from mixprec.diagnostics.watch import advice
+
+    first = watch.first
+    assert (first.module, first.phase, first.op) == ("1.proj", "forward", "_to_copy"), first
+    text = advice(first)
+    assert "Policy().keep_fp32('1.proj')" in text and "cast down" in text, text

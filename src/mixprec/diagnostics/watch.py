@@ -129,6 +129,25 @@ def _writes_inf(args: tuple, kwargs: dict | None) -> bool:
     return False
 
 
+def _widens(func: Any, args: tuple, out: Any) -> bool:
+    """Whether `func` is a cast into a dtype whose range holds its source's (fp16 or bf16 to
+    fp32, the cast before an fp32 softmax): it cannot overflow, so an infinity in its output
+    was already in its input (a -inf attention mask), made by an op the watch saw before."""
+    if func is _aten._to_copy.default:
+        src, dst = args[0] if args else None, out
+    elif func._overloadpacket is _aten.copy_:
+        src, dst = args[1] if len(args) > 1 else None, out
+    else:
+        return False
+    if not (isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor)):
+        return False
+    if not (src.is_floating_point() and dst.is_floating_point()):
+        return False
+    if src.dtype in _FP8_DTYPES or dst.dtype in _FP8_DTYPES:
+        return False
+    return torch.finfo(dst.dtype).max >= torch.finfo(src.dtype).max
+
+
 class _OpChecks(TorchDispatchMode):
     """Checks each aten op's output inside a watched forward or inside backward."""
 
@@ -142,6 +161,8 @@ class _OpChecks(TorchDispatchMode):
             return out
         if _writes_inf(args, kwargs):
             return out  # an infinity on purpose: a -inf attention mask (masked_fill, full)
+        if _widens(func, args, out):
+            return out  # such a mask cast up for softmax: not where an infinity is made
         w = self.watch
         if w._modules:
             module, phase = w._modules[-1], FORWARD
@@ -501,11 +522,23 @@ def advice(event: NonFiniteEvent, count: int = 1, steps: int = 1) -> str:
             "invalid operation (0/0, inf - inf, sqrt or log of a negative), not a range problem; "
             "guard that op (clamp, eps) rather than change precision."
         )
+    if event.phase == FORWARD and event.op in ("_to_copy", "copy_") and event.module:
+        # A cast down made the inf: what it cast was computed in fp32 (an op autocast keeps
+        # in fp32, such as pow, or user code) and is past fp16 before this module reads it.
+        return (
+            f"values reaching {where!r} are past the low dtype's range (fp16: 65504) where "
+            f"they are cast down for it ({event.op}, after a largest finite "
+            f"{event.max_before:.3g}): they were computed in fp32 before it, and no loss scale "
+            f"can fix a forward value. Keep it in fp32, Policy().keep_fp32({where!r}), or "
+            "rescale what feeds it (mixprec.float_function on the function that computes it "
+            "keeps that in fp32 too); or train in bf16, which has fp32's range."
+        )
     if event.phase == FORWARD:
+        keep = f"Policy().keep_fp32({where!r}), " if event.module else ""
         return (
             f"the forward of {where!r}{op} exceeds the low dtype's range (fp16: 65504), which no "
-            "loss scale can fix. Run it in fp32: decorate the function that computes it with "
-            "mixprec.float_function, or move its op, Policy().move("
+            f"loss scale can fix. Run it in fp32: {keep}decorate the function that computes it "
+            "with mixprec.float_function, or move its op, Policy().move("
             f"{event.op or '<op>'!r}, to='fp32'); or train in bf16, which has fp32's range."
         )
     if count * 2 <= steps or count <= 3:
