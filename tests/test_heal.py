@@ -11,6 +11,7 @@ real ones (the CUDA op table makes the CPU region behave as a GPU's would).
 from __future__ import annotations
 
 import copy
+import itertools
 import warnings
 
 import pytest
@@ -239,15 +240,21 @@ def test_idle_healing_reads_the_device_only_at_the_scalers_reports():
                              dtype="fp16", policy=GPU, heal=True, compile=False)  # fmt: skip
     reports = []
     step.scaler.add_report_listener(reports.append)
-    batches = data(40)
+    batches = data(80)
     # The first steps create optimizer state (a host decision), and the scale starts too high
     # for these gradients: the first skips start one short diagnosis that finds nothing.
     for x, y in batches[:20]:
         step(x, y)
     assert step.healer.diagnoses == 1 and not step.healer.diagnosing
-    assert not step.healer.moves and step.scaler.check_every == 10
-    seen = len(reports)
+    assert not step.healer.moves
+    # After the diagnosis, reports come after 1, 2, 4, 8, then every 10 updates.
     i = 20
+    while step.scaler.check_every < 10:
+        step(*batches[i])
+        i += 1
+    gaps = [b - a for a, b in itertools.pairwise(reports)]
+    assert gaps[-4:] == [1, 2, 4, 8], reports
+    seen = len(reports)
     while len(reports) == seen:  # up to the next report
         step(*batches[i])
         i += 1
@@ -257,6 +264,19 @@ def test_idle_healing_reads_the_device_only_at_the_scalers_reports():
             step(x, y)
     step(*batches[i + 9])
     assert reports[-1] == last + 10
+
+
+def test_healing_looks_often_at_the_start_and_rarely_once_healthy():
+    model = healthy()
+    step = mixprec.TrainStep(model, torch.optim.SGD(model.parameters(), lr=1e-3), F.mse_loss,
+                             dtype="fp16", policy=GPU, heal=True, compile=False,
+                             scaler=mixprec.GradScaler("cpu", init_scale=1.0))  # fmt: skip
+    reports = []
+    step.scaler.add_report_listener(reports.append)
+    for x, y in data(40):
+        step(x, y)
+    assert step.healer.diagnoses == 0 and step.healer.scaler is step.scaler
+    assert reports[:5] == [1, 3, 7, 15, 25], reports  # 1, 2, 4, 8, then every 10 updates
 
 
 @pytest.mark.parametrize("compile", [False, FAST], ids=["eager", "compiled"])

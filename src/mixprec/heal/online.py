@@ -175,8 +175,12 @@ class Healer:
         stopped: why healing stopped (its budget, an overflow outside any submodule), or None.
         diagnoses: how many diagnoses ran (each puts a watch on the model for a few steps).
 
-    Costs: idle, one host sync per ``config.check_every`` updates (the scaler's skip report);
-    during a diagnosis, eager steps with the watch's reductions and one sync per update.
+    Costs: idle, one host sync per ``config.check_every`` updates (the scaler's skip report),
+    sooner at the start and after a skip or a diagnosis: the interval starts at 1 update and
+    doubles while reports find nothing (1, 2, 4, 8, then ``check_every``: 4 more syncs than a
+    fixed interval), so a forward that overflows from the first step costs about five skipped
+    steps before its move, not ``check_every`` + `overflows`; during a diagnosis, eager steps
+    with the watch's reductions and one sync per update.
     """
 
     def __init__(
@@ -209,6 +213,7 @@ class Healer:
         self._moved = False  # moves since the compiled forward was last rebuilt
         self._user_every = scaler.check_every
         self._idle_every = min(self._user_every, config.check_every)
+        self._every = 1  # the idle interval now: 1, doubling up to _idle_every (see Costs)
         self._removers: list[Callable[[], None]] = []
         self._attach()
 
@@ -219,8 +224,19 @@ class Healer:
             return
         self._removers = [self.scaler.add_skip_listener(self._on_skip),
                           self.scaler.add_report_listener(self._on_report)]  # fmt: skip
-        self.scaler.check_every = self._idle_every
+        self._every = 1
+        self.scaler.check_every = self._every
         _HEALERS[self.scaler] = self
+
+    def rebind(self, scaler: Any) -> None:
+        """Watch `scaler` instead: the one a ``TrainStep(scaler=...)`` put in place of the
+        scaler ``initialize`` made (the old one gets its own ``check_every`` back)."""
+        self._detach()
+        self.scaler = scaler
+        self._user_every = scaler.check_every
+        self._idle_every = min(self._user_every, self.config.check_every)
+        if self.stopped is None:
+            self._attach()
 
     def _detach(self) -> None:
         for remove in self._removers:
@@ -276,6 +292,10 @@ class Healer:
         ]
         if len(self._recent) >= min(2, self.config.overflows):
             self._start(updates)
+            return
+        # Look again soon after a skip; back off while the run is healthy.
+        self._every = 1 if batch else min(2 * self._every, self._idle_every)
+        self.scaler.check_every = self._every
 
     def _start(self, updates: int) -> None:
         self.diagnoses += 1
@@ -298,8 +318,9 @@ class Healer:
         self._watches, self._own, self._seen = None, [], []
         self._recent = []
         self._scale_before = None
-        if self._removers:
-            self.scaler.check_every = self._idle_every
+        if self._removers:  # after a move the next module often overflows soon: look early
+            self._every = 1
+            self.scaler.check_every = self._every
         if self._moved:
             self._moved = False
             self._fire_rebuilds()

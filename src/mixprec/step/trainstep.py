@@ -231,6 +231,8 @@ class TrainStep:
         self.options = optimizer.options
         if scaler is not None:
             optimizer._scaling.scaler = scaler
+            if optimizer.healer is not None:  # healing listens to the scaler that runs
+                optimizer.healer.rebind(scaler)
         self._clip = None if clip_grad_norm is None else float(clip_grad_norm)
         self._user_loss = loss_from(loss_fn, compute_loss)
         self.amp_backend: Any = None
