@@ -1,6 +1,13 @@
-"""The console script, run as a user runs it (a subprocess): help texts, tiny bench and train
-runs that write JSON and PNG files, the CIFAR-10 loader on a file in CIFAR's own format, and
-every error path (bad names, CUDA without CUDA, unwritable outputs) failing before any work."""
+"""The console script, run as a user runs it (a process of its own): help texts, tiny bench
+and train runs that write JSON and PNG files, the CIFAR-10 loader on a file in CIFAR's own
+format, and every error path (bad names, CUDA without CUDA, unwritable outputs) failing before
+any work.
+
+Each ``python -m mixprec ...`` is forked from one server that imported torch and mixprec once
+(the GPU suite's launcher, `benchmarks/suite/launch.py`): its own process, argv, environment,
+stdout, stderr and exit status, without 4 s of imports per command. ``--version`` and one bad
+name run in a fresh interpreter, so the console entry's own imports stay covered.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,8 @@ import os
 import pickle
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,13 +26,30 @@ import mixprec
 from mixprec.bench import data as datasets
 
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
+_SERVER: list = []  # the preloaded launcher, started by the first command
 
 
-def _run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "mixprec", *args], capture_output=True, text=True,
-        timeout=timeout, env=ENV,
-    )  # fmt: skip
+def _launcher():
+    if not _SERVER:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+        from suite.launch import Preloaded
+
+        _SERVER.append(Preloaded(ENV, preload=("torch", "torch._dynamo", "mixprec")))
+    return _SERVER[0]
+
+
+def _run(*args: str, timeout: int = 600, fresh: bool = False) -> subprocess.CompletedProcess:
+    """``python -m mixprec *args``: forked from the preloaded server, or a fresh interpreter."""
+    argv = [sys.executable, "-m", "mixprec", *args]
+    if fresh:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=ENV)
+    with tempfile.TemporaryDirectory(prefix="mixprec-cli-") as tmp:
+        out, err = Path(tmp, "out"), Path(tmp, "err")
+        rc, timed_out = _launcher().run(argv, cwd=os.getcwd(), log_path=str(out),
+                                        err_path=str(err), timeout=timeout)  # fmt: skip
+        if timed_out:
+            raise subprocess.TimeoutExpired(argv, timeout)
+        return subprocess.CompletedProcess(argv, rc, out.read_text(), err.read_text())
 
 
 def test_help_texts():
@@ -40,7 +66,7 @@ def test_help_texts():
 
 
 def test_version():
-    out = _run("--version")
+    out = _run("--version", fresh=True)
     assert out.returncode == 0 and f"mixprec {mixprec.__version__}" in out.stdout
 
 
@@ -146,7 +172,7 @@ def test_bad_names_list_the_valid_ones(args, message, capsys):
 
 
 def test_a_bad_name_from_the_console_script_exits_2_without_a_traceback():
-    out = _run("bench", "vgg")
+    out = _run("bench", "vgg", fresh=True)
     assert out.returncode == 2, out.stdout
     assert "unknown benchmark 'vgg'. Valid: mlp, resnet50, gpt2 or all." in out.stderr
     assert "Traceback" not in out.stderr

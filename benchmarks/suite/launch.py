@@ -42,7 +42,8 @@ print("canary ok on", device)
 """
 
 
-def _child(argv: Sequence[str], cwd: str, env: dict[str, str], log_path: str) -> None:
+def _child(argv: Sequence[str], cwd: str, env: dict[str, str], log_path: str,
+           err_path: str | None = None) -> None:  # fmt: skip
     """Runs in the forked child: become `argv` (``python script.py ...`` or ``python -m mod``).
 
     multiprocessing's bootstrap turns a ``SystemExit`` into the exit status, prints an uncaught
@@ -52,10 +53,12 @@ def _child(argv: Sequence[str], cwd: str, env: dict[str, str], log_path: str) ->
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    for path, targets in ((log_path, (1,) if err_path else (1, 2)), (err_path, (2,))):
+        if path:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+            for target in targets:
+                os.dup2(fd, target)
+            os.close(fd)
     if argv[1] == "-m":
         sys.argv = [argv[2], *argv[3:]]
         sys.path.insert(0, cwd)
@@ -127,16 +130,17 @@ class Preloaded:
             return False
         return (argv[1] == "-m" and len(argv) >= 3) or argv[1].endswith(".py")
 
-    def run(self, argv: Sequence[str], *, cwd: str, log_path: str,
-            timeout: float) -> tuple[int | None, bool]:  # fmt: skip
-        """Run `argv` forked, output appended to `log_path`: (exit status, timed out).
+    def run(self, argv: Sequence[str], *, cwd: str, log_path: str, timeout: float,
+            err_path: str | None = None) -> tuple[int | None, bool]:  # fmt: skip
+        """Run `argv` forked, output appended to `log_path` (its stderr to `err_path`, if
+        given): (exit status, timed out).
 
         The exit status is the script's (``SystemExit``), 1 after an uncaught exception (its
         traceback is in the log), minus the signal's number when a signal ended it.
         """
         name = os.path.basename(argv[2] if argv[1] == "-m" else argv[1])
-        proc = self._ctx.Process(target=_child, args=(list(argv), cwd, self.env, log_path),
-                                 name=name)  # fmt: skip
+        proc = self._ctx.Process(target=_child, name=name,
+                                 args=(list(argv), cwd, self.env, log_path, err_path))  # fmt: skip
         proc.start()
         try:
             proc.join(timeout)
