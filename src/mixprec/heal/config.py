@@ -42,6 +42,11 @@ class HealConfig:
         quiet: a diagnosis ends after this many updates without an overflow it could
             attribute (then the step runs compiled or captured again).
         grad_scale_floor: gradient overflows count only at a loss scale at or below this.
+        watch_start: watch the run's first updates (until `quiet` pass without an overflow)
+            as a diagnosis does, so a model that overflows from its first step is moved after
+            `overflows` skipped steps, not after the reports that would start a diagnosis
+            (their skips cost a short run its accuracy). Costs those steps run eagerly with
+            the watch's reductions.
 
     Raises:
         PolicyError: a value out of range (the message names it and the valid range).
@@ -54,6 +59,7 @@ class HealConfig:
     restore_scale: bool = True
     quiet: int = 5
     grad_scale_floor: float = 1.0
+    watch_start: bool = True
 
     def __post_init__(self) -> None:
         for name in ("overflows", "window", "check_every", "quiet"):
@@ -72,8 +78,9 @@ class HealConfig:
                 f"HealConfig max_fraction={frac!r} must be a number in (0, 1] (0.1: at most a "
                 f"tenth of the modules move)."
             )
-        if not isinstance(self.restore_scale, bool):
-            raise PolicyError(f"HealConfig restore_scale={self.restore_scale!r} must be a bool.")
+        for name in ("restore_scale", "watch_start"):
+            if not isinstance(getattr(self, name), bool):
+                raise PolicyError(f"HealConfig {name}={getattr(self, name)!r} must be a bool.")
         floor = self.grad_scale_floor
         if not (isinstance(floor, (int, float)) and not isinstance(floor, bool)
                 and 0 < floor < math.inf):  # fmt: skip

@@ -216,6 +216,8 @@ class Healer:
         self._every = 1  # the idle interval now: 1, doubling up to _idle_every (see Costs)
         self._removers: list[Callable[[], None]] = []
         self._attach()
+        if config.watch_start:  # the first updates are watched (not counted as a diagnosis)
+            self._start(0, count=False)
 
     # ------------------------------------------------------------------ wiring
 
@@ -297,8 +299,8 @@ class Healer:
         self._every = 1 if batch else min(2 * self._every, self._idle_every)
         self.scaler.check_every = self._every
 
-    def _start(self, updates: int) -> None:
-        self.diagnoses += 1
+    def _start(self, updates: int, count: bool = True) -> None:
+        self.diagnoses += int(count)
         self._watches, self._own = [], []
         history = max(64, self.config.window)
         for model, _ in self._targets:
