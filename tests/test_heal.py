@@ -210,8 +210,11 @@ def test_healing_moves_the_overflowing_module_and_the_run_continues_as_the_heale
     after = [i for i, v in enumerate(losses) if i > move.update + 1]
     assert after and all(torch.isfinite(torch.tensor(losses[i])) for i in after)
     assert opt.options.policy == mixprec.Policy.from_string(f"{GPU},fp32_modules=ff.wo")
-    # The scale went back to where it was before the streak (no collapse).
-    assert opt.loss_scale >= 2.0**13
+    # Found by the start-up watch: moved after its third skipped step; the scale went back
+    # to where it was before the streak (2^16, halved three times meanwhile, not left at
+    # 2^13), and backed off from there only for this model's gradients.
+    assert move.update == 2 and move.scale == 2.0**15  # updates 0, 1, 2 skipped
+    assert opt.loss_scale >= 2.0**14
     # From here the run is the healed policy's: a copy initialized with it steps identically.
     twin = overflowing()
     twin.load_state_dict(model.state_dict())

@@ -344,6 +344,8 @@ class Healer:
 
     def _diagnose(self, batch: list[Any], updates: int) -> None:
         assert self._watches is not None
+        if batch and self._scale_before is None:  # a streak that began while watched (start-up)
+            self._scale_before = batch[0].scale
         scale = batch[-1].scale if batch else None
         for i, watch in enumerate(self._watches):
             fresh = [e for e in watch.events() if e.step >= self._seen[i]]
