@@ -491,8 +491,8 @@ def peers(rounds: int, steps: int) -> list[dict[str, Any]]:
         moved = [m.module for m in steps_of[True].healer.moves]
         off, on = statistics.median(times[False]), statistics.median(times[True])
         ratios = [b / a for a, b in zip(times[False], times[True], strict=True)]
-        rows.append({"model": name, "size": size.label, "ms_off": off * 1e3, "ms_on": on * 1e3,
-                     "ratio_median": statistics.median(ratios), "ratios": ratios,
+        rows.append({"model": name, "size": size.description, "ms_off": off * 1e3,
+                     "ms_on": on * 1e3, "ratio_median": statistics.median(ratios), "ratios": ratios,
                      "moves": moved, "diagnoses": steps_of[True].healer.diagnoses})  # fmt: skip
     return rows
 
