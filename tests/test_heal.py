@@ -472,3 +472,23 @@ def test_underflow_advice_raises_the_scale_or_keeps_the_module_in_fp32():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert "advice:" in str(report)
+
+
+def test_healing_leaves_no_dispatch_mode_on_the_rest_of_the_process():
+    """Healing's watches span training steps (the start-up watch begins in initialize): their
+    op checks run only inside the model's forward, so code between steps, and a run that stops
+    mid-watch, sees no dispatch mode (torch.compile under one compiled nothing)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    model = overflowing()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    model, opt = mixprec.initialize(model, opt, "O1", dtype="fp16", policy=GPU, heal=True)
+    assert opt.healer.diagnosing  # the start-up watch
+    assert _get_current_dispatch_mode() is None
+    seen = []
+    inner = next(model.children())  # inside the model's forward
+    hook = inner.register_forward_hook(lambda *_: seen.append(_get_current_dispatch_mode()))
+    loop(model, opt, data(2))  # stops while the start-up watch is still on
+    hook.remove()
+    assert seen and all(mode is not None for mode in seen)  # inside the forward: checked
+    assert opt.healer.diagnosing and _get_current_dispatch_mode() is None

@@ -184,6 +184,11 @@ class watch_nonfinite:
     Args:
         model: the module to watch (all its submodules and parameters).
         ops: also check every aten op output (names the op; about one more reduction per op).
+            `True`: from entering the watch to leaving it, every op of this thread (forward and
+            backward) goes through the checking dispatch mode. ``"forward"``: only while the
+            model's own forward runs (backward is checked per module and parameter, not per
+            op): what healing uses, since its watches span training steps and must not leave
+            a dispatch mode on other code (``torch.compile`` included).
         attach: a `mixprec.GradScaler` or `mixprec.TrainStep`: each overflowing update it reports
             (every ``check_every`` updates, when it reads its counters anyway) is diagnosed and
             appended to `skips`.
@@ -208,7 +213,7 @@ class watch_nonfinite:
         self,
         model: torch.nn.Module,
         *,
-        ops: bool = True,
+        ops: bool | str = True,
         attach: Any = None,
         history: int = 256,
         fp8_error: bool = False,
@@ -217,6 +222,11 @@ class watch_nonfinite:
             raise TypeError(f"watch_nonfinite needs a torch.nn.Module, got {type(model).__name__}.")
         if not (isinstance(history, int) and history >= 1):
             raise MixprecError(f"watch_nonfinite history={history!r} must be an int >= 1.")
+        if ops not in (True, False, "forward"):
+            raise MixprecError(
+                f"watch_nonfinite ops={ops!r} is not valid. Valid: True (every op while the "
+                f"watch is active), 'forward' (ops of the model's forward only) or False."
+            )
         self.model = model
         self.ops = ops
         self.history = history
@@ -258,7 +268,7 @@ class watch_nonfinite:
             if p.requires_grad:
                 owner = pname.rpartition(".")[0]
                 self._handles.append(p.register_hook(self._param_hook(owner, pname)))
-        if self.ops:
+        if self.ops is True:
             self._op_mode = _OpChecks(self)
             self._op_mode.__enter__()
         if self._scaler is not None:
@@ -307,6 +317,9 @@ class watch_nonfinite:
         def pre(_module: torch.nn.Module, args: tuple) -> None:
             if not self._modules and name == "":
                 self._fold()  # a new forward of the root: the previous step is complete
+                if self.ops == "forward" and self._op_mode is None:
+                    self._op_mode = _OpChecks(self)  # for the root's forward only
+                    self._op_mode.__enter__()
             self._modules.append(name)
             for t in _floats(args):
                 if t.requires_grad:
@@ -321,6 +334,9 @@ class watch_nonfinite:
         def post(_module: torch.nn.Module, _args: tuple, out: Any) -> None:
             if self._modules:
                 self._modules.pop()
+            if not self._modules and self.ops == "forward" and self._op_mode is not None:
+                self._op_mode.__exit__(None, None, None)  # runs even when the forward raised
+                self._op_mode = None
             for t in _floats(out):
                 self._check(t, name, FORWARD, None)
 

@@ -306,7 +306,9 @@ class Healer:
         for model, _ in self._targets:
             watch = watcher_of(model)
             if watch is None:  # a user's own watch is read, not replaced
-                watch = watch_nonfinite(model, ops=True, history=history)
+                # Op checks during the model's forward only: this watch spans training steps
+                # and must not leave a dispatch mode on the rest of the process.
+                watch = watch_nonfinite(model, ops="forward", history=history)
                 watch.__enter__()
                 self._own.append(watch)
             self._watches.append(watch)
