@@ -94,6 +94,20 @@ def _hand(level, dtype, bad=(), clip=0.5):
     return losses, model
 
 
+def test_accelerate_bf16_o2_clips_the_gradients_a_backward_left_on_the_model():
+    # bf16 O2 leaves a backward's gradients on the model until clipping or the step needs
+    # them in the fp32 masters: Accelerate's clip_grad_norm_(model.parameters()) clips the
+    # masters' (a tight clip, so a missed one would change every step).
+    losses, _, _, model = _accelerate_run(AmpAccelerator(accelerate.Accelerator(cpu=True), "O2",
+                                                         "bf16"), clip=1e-3)  # fmt: skip
+    ref_losses, ref = _hand("O2", "bf16", clip=1e-3)
+    assert losses == ref_losses
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(a, b)
+    unclipped, _ = _hand("O2", "bf16", clip=1e9)
+    assert unclipped[1:] != ref_losses[1:]
+
+
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_accelerate_loop_equals_the_hand_written_loop(level):
     acc = AmpAccelerator(accelerate.Accelerator(cpu=True), level, "fp16", scaler=SCALER)

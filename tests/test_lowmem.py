@@ -551,6 +551,12 @@ def test_o2_holds_no_more_training_state_than_fp32_between_backward_and_step():
     assert all(p.grad is None for p in model.parameters())
     for m, g in zip(masters, grads, strict=True):
         assert m.grad.dtype == torch.float32 and torch.equal(m.grad, g)
+    # Code that clips the optimizer's own groups, as with a plain optimizer, finds them too.
+    _after_backward(model, opt)
+    grads = [p.grad.float() for p in model.parameters()]
+    stepped = [p for g in opt.param_groups for p in g["params"]]
+    for m, g in zip(stepped, grads, strict=True):
+        assert m.grad.dtype == torch.float32 and torch.equal(m.grad, g)
 
 
 @pytest.mark.parametrize("micro_batches", [1, 3])

@@ -363,8 +363,8 @@ class AmpEngine:
         """Divide `optimizer`'s gradients by the scale, once per iteration (to clip, inspect)."""
         amp = self._amp(optimizer)
         if isinstance(amp, AmpOptimizer):
-            # (O2) into the masters, where clipping reads them: gradients a bf16 backward left
-            # on the model, or of a backward that bypassed after_backward.
+            # (O2) into the masters, where clipping reads them (`master_of`): gradients a bf16
+            # backward left on the model, or of a backward that bypassed after_backward.
             amp._after_backward()
         if self.scaler is None or not isinstance(amp, AmpOptimizer):
             return
@@ -379,11 +379,7 @@ class AmpEngine:
 
     def main_params(self, optimizer: Any) -> Iterator[torch.Tensor]:
         """The tensors `optimizer` steps (fp32 masters in O2): what clipping must act on."""
-        amp = self._amp(optimizer)
-        if isinstance(amp, AmpOptimizer):
-            yield from amp.master_params()
-            return
-        for group in amp.param_groups:
+        for group in self._amp(optimizer).param_groups:  # (O2: moves a bf16 backward's grads)
             yield from group["params"]
 
     def clip_grad_norm_(self, optimizer: Any, max_norm: float, norm_type: float = 2.0) -> Any:

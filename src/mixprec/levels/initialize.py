@@ -396,8 +396,5 @@ def master_params(optimizer: AmpOptimizer) -> Iterator[torch.Tensor]:
             f"master_params expects an optimizer (one returned by mixprec.initialize), got "
             f"{type(optimizer).__name__}."
         )
-    if isinstance(optimizer, AmpOptimizer):
-        yield from optimizer.master_params()
-        return
-    for group in optimizer.param_groups:
+    for group in optimizer.param_groups:  # an AmpOptimizer's moves a bf16 backward's grads
         yield from group["params"]

@@ -235,6 +235,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         self._fp8 = list(fp8_layers or ())  # FP8 layers whose scales advance with this step
         self._master_map = master_map if master_map is not None else MasterMap()
         self._stepped = False  # a step consumed the masters' gradients; zero_grad resets it
+        self._deferred = False  # a bf16 backward left gradients on the model (_after_backward)
         # Wrappers such as Apex's LARC define zero_grad() without torch's set_to_none.
         params = inspect.signature(inner.zero_grad).parameters
         self._zero_grad_flag = "set_to_none" in params or any(
@@ -246,6 +247,10 @@ class AmpOptimizer(torch.optim.Optimizer):
         def get(self: AmpOptimizer) -> Any:
             own = self.__dict__
             if "optimizer" in own:
+                if name == "param_groups" and own.get("_deferred"):
+                    # Code that reads the stepped tensors' gradients from the groups (clipping
+                    # them, as with a plain optimizer) finds them in the masters, in fp32.
+                    self._after_backward()
                 return getattr(own["optimizer"], name)
             if "_pre_" + name in own:  # inside torch's Optimizer.__init__
                 return own["_pre_" + name]
@@ -291,8 +296,7 @@ class AmpOptimizer(torch.optim.Optimizer):
     def master_params(self) -> Iterable[torch.Tensor]:
         """The tensors the inner optimizer steps (fp32 masters in O2; the model's otherwise),
         with this iteration's gradients on them (moved from the model's weights if a backward
-        left them there)."""
-        self._after_backward()
+        left them there: reading ``param_groups`` moves them)."""
         for group in self.param_groups:
             yield from group["params"]
 
@@ -357,23 +361,27 @@ class AmpOptimizer(torch.optim.Optimizer):
 
         With `defer` (a backward without loss scaling), a gradient whose master has none yet
         stays on the model's weight in the low dtype until something needs it in fp32: the
-        step, `master_params`, or the next backward (accumulation). Between backward and step
-        O2 then holds 2 bytes of gradient per parameter, not 4: as much training state as
-        fp32 training (16 bytes per parameter with AdamW), where the fp32 copy made here
-        held 18. The values are the same either way: the fp32 gradient is the exact upcast of
-        the low one. Scaled gradients (fp16) move at once: they are unscaled in fp32.
+        step, `master_params`, reading ``param_groups``, or the next backward (accumulation).
+        Between backward and step O2 then holds 2 bytes of gradient per parameter, not 4: as
+        much training state as fp32 training (16 bytes per parameter with AdamW), where the
+        fp32 copy made here held 18. The values are the same either way: the fp32 gradient is
+        the exact upcast of the low one. Scaled gradients (fp16) move at once: they are
+        unscaled in fp32.
         """
+        left = False
         with torch.no_grad():
             for low, master in zip(self._low, self._masters, strict=True):
                 if low.grad is None:
                     continue
                 if master.grad is None:
                     if defer:
+                        left = True
                         continue
                     master.grad = low.grad.to(master.dtype)
                 else:
                     master.grad.add_(low.grad)
                 low.grad = None
+        self._deferred = left
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of the masters and of the model's weights."""
