@@ -178,9 +178,10 @@ class Healer:
     Costs: idle, one host sync per ``config.check_every`` updates (the scaler's skip report),
     sooner at the start and after a skip or a diagnosis: the interval starts at 1 update and
     doubles while reports find nothing (1, 2, 4, 8, then ``check_every``: 4 more syncs than a
-    fixed interval), so a forward that overflows from the first step costs about five skipped
-    steps before its move, not ``check_every`` + `overflows`; during a diagnosis, eager steps
-    with the watch's reductions and one sync per update.
+    fixed interval); with ``watch_start`` the first updates run as a diagnosis. A forward that
+    overflows from the first step costs `overflows` skipped steps before its move (about five
+    without ``watch_start``), not ``check_every`` + `overflows`. During a diagnosis: eager steps
+    with the watch's reductions (in the model's forward) and one sync per update.
     """
 
     def __init__(
