@@ -26,7 +26,9 @@ Variants, each trained with ``mixprec.TrainStep`` (O1, the CUDA op lists on the 
 
 - ``fp16``: plain fp16 O1 with dynamic loss scaling (seed 0);
 - ``tuned``: fp16 O1 with ``mixprec.tune_policy(model, 2 batches)``'s policy (seed 0);
-- ``heal``: fp16 O1 with ``heal=True`` (seed 0);
+- ``heal``: fp16 O1 with ``heal=True`` (seed 0); TrainStep replays the steps a move explains
+  (``HealConfig.replay``), so "skipped" counts steps the scaler skipped, of which "replayed"
+  ran again after the move;
 - ``bf16``, ``fp32``: seeds 0, 1, 2 (weights and data): the seed spread.
 
 Goals checked per model (issue 26): where plain fp16 stalls (scale at its floor, >= 50% of
@@ -405,7 +407,8 @@ def run(zoo: Zoo, variant: str, seed: int, steps: int) -> dict[str, Any]:
     moved = []
     if healer is not None:
         moved = [m.as_dict() | {"text": str(m)} for m in healer.moves]
-        out["heal"] = {"moves": moved, "diagnoses": healer.diagnoses, "notes": healer.notes}
+        out["heal"] = {"moves": moved, "diagnoses": healer.diagnoses, "notes": healer.notes,
+                       "replayed": healer.replayed}  # fmt: skip
     if report is not None:
         out["tuned"] = {"policy": str(report.policy), "report": str(report), "seconds": tune_s,
                         "moves": [m.module for m in report.moves]}  # fmt: skip
@@ -444,7 +447,8 @@ def summarise(runs: list[dict[str, Any]], steps: int) -> dict[str, Any]:
                 entry.update(moves=[m["module"] for m in moves], moved_fraction=len(moves)
                              / r["modules"], skipped_after_last_move=len(after),
                              skipped_fraction_after=len(after) / max(1, steps - last - 1),
-                             last_move_update=last)  # fmt: skip
+                             last_move_update=last,
+                             replayed=r["heal"].get("replayed", 0))  # fmt: skip
             if variant == "tuned":
                 entry["moves"] = r["tuned"]["moves"]
                 entry["moved_fraction"] = len(entry["moves"]) / r["modules"]
@@ -514,7 +518,8 @@ def table(summary: dict[str, Any], peer_rows: list[dict[str, Any]]) -> str:
             if e["stalled"]:
                 notes.append("stalled")
             if variant == "heal":
-                notes.append(f"{e['skipped_after_last_move']} skipped after the last move "
+                notes.append(f"{e['replayed']} of the skipped replayed; "
+                             f"{e['skipped_after_last_move']} skipped after the last move "
                              f"({e['skipped_fraction_after']:.1%}), {e['moved_fraction']:.1%} "
                              f"of modules")  # fmt: skip
             notes.append("within seed range" if e["within_seed_range"] else "OUTSIDE seeds")

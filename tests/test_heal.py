@@ -492,3 +492,58 @@ def test_healing_leaves_no_dispatch_mode_on_the_rest_of_the_process():
     hook.remove()
     assert seen and all(mode is not None for mode in seen)  # inside the forward: checked
     assert opt.healer.diagnosing and _get_current_dispatch_mode() is None
+
+
+def _sgd_step(model: nn.Module, **kw) -> mixprec.TrainStep:
+    return mixprec.TrainStep(model, torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9),
+                             F.mse_loss, dtype="fp16", compile=False, **kw)  # fmt: skip
+
+
+def test_trainstep_replays_the_steps_a_move_explains_so_healing_loses_no_update():
+    # Reference: the same run with the healed policy from the start (no skipped step).
+    tuned = _sgd_step(overflowing(), policy=f"{GPU},fp32_modules=ff.wo")
+    batches = data(12)
+    ref = [tuned(x, y).item() for x, y in batches]
+    # Healing, fed from one buffer that the "loader" refills in place: a held batch must be a
+    # copy, or the replays would train on the latest batch three times.
+    model = overflowing()
+    step = _sgd_step(model, policy=GPU, heal=True)
+    bx, by = torch.empty_like(batches[0][0]), torch.empty_like(batches[0][1])
+    losses = []
+    for x, y in batches:
+        bx.copy_(x)
+        by.copy_(y)
+        losses.append(step(bx, by).item())
+    healer = step.healer
+    assert [m.module for m in healer.moves] == ["ff.wo"]
+    assert healer.replayed == 3 and "3 skipped step(s) run again" in healer.report()
+    # Steps 0 and 1 were skipped (their losses are inf); step 2 returned its replay's loss; the
+    # optimizer took every update, in the batches' order, exactly as the tuned run did.
+    assert not any(torch.isfinite(torch.tensor(losses[:2])))
+    assert losses[2:] == ref[2:]
+    assert step.optimizer.optimizer.state[model.inp.weight]["momentum_buffer"] is not None
+    for a, b in zip(model.parameters(), tuned.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert not healer.diagnosing and not healer._held  # nothing kept after the diagnosis
+
+
+def test_without_replay_the_diagnosed_steps_stay_skipped():
+    model = overflowing()
+    step = _sgd_step(model, policy=GPU, heal={"replay": False})
+    calls = []
+    step.optimizer.optimizer.register_step_post_hook(lambda *a: calls.append(1))
+    for x, y in data(12):
+        step(x, y)
+    assert [m.module for m in step.healer.moves] == ["ff.wo"]
+    # The three diagnosed steps are lost (here a fourth too: at the restored scale the first
+    # unmoved step's gradients overflow, which the replayed run's earlier updates avoid).
+    assert step.healer.replayed == 0 and len(calls) <= 12 - 3
+
+
+def test_an_initialize_loop_cannot_replay_and_holds_nothing():
+    model = overflowing()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    model, opt = mixprec.initialize(model, opt, "O1", dtype="fp16", policy=GPU, heal=True)
+    loop(model, opt, data(12))
+    assert [m.module for m in opt.healer.moves] == ["ff.wo"]
+    assert opt.healer.replayed == 0 and not opt.healer._held

@@ -47,6 +47,14 @@ class HealConfig:
             `overflows` skipped steps, not after the reports that would start a diagnosis
             (their skips cost a short run its accuracy). Costs those steps run eagerly with
             the watch's reductions.
+        replay: in a ``TrainStep``, run the steps a move explains again right after the move
+            (their batches are copied while a diagnosis runs), so healing costs no update: the
+            run follows the trajectory of a policy that kept the module in fp32 from the start.
+            A replayed step uses the optimizer's settings at the time of the replay (an LR
+            schedule stepped by your loop has moved on by up to `overflows` steps). Costs
+            memory for the held batch copies (at most `overflows` per module under diagnosis)
+            and a copy of each batch while a diagnosis runs. Loops that call ``backward``
+            themselves cannot replay: their skipped steps stay skipped.
 
     Raises:
         PolicyError: a value out of range (the message names it and the valid range).
@@ -60,6 +68,7 @@ class HealConfig:
     quiet: int = 5
     grad_scale_floor: float = 1.0
     watch_start: bool = True
+    replay: bool = True
 
     def __post_init__(self) -> None:
         for name in ("overflows", "window", "check_every", "quiet"):
@@ -78,7 +87,7 @@ class HealConfig:
                 f"HealConfig max_fraction={frac!r} must be a number in (0, 1] (0.1: at most a "
                 f"tenth of the modules move)."
             )
-        for name in ("restore_scale", "watch_start"):
+        for name in ("restore_scale", "watch_start", "replay"):
             if not isinstance(getattr(self, name), bool):
                 raise PolicyError(f"HealConfig {name}={getattr(self, name)!r} must be a bool.")
         floor = self.grad_scale_floor

@@ -174,6 +174,8 @@ class Healer:
         notes: what healing could not fix, with the reason.
         stopped: why healing stopped (its budget, an overflow outside any submodule), or None.
         diagnoses: how many diagnoses ran (each puts a watch on the model for a few steps).
+        replayed: skipped steps a ``TrainStep`` ran again after the move that fixed them
+            (``HealConfig.replay``).
 
     Costs: idle, one host sync per ``config.check_every`` updates (the scaler's skip report),
     sooner at the start and after a skip or a diagnosis: the interval starts at 1 update and
@@ -216,6 +218,13 @@ class Healer:
         self._idle_every = min(self._user_every, config.check_every)
         self._every = 1  # the idle interval now: 1, doubling up to _idle_every (see Costs)
         self._removers: list[Callable[[], None]] = []
+        # Replay (``HealConfig.replay``, TrainStep): a copy of the batch now running, and the
+        # copies of steps whose skip a counted overflow explained, by update, until a move (or
+        # the window) decides them.
+        self._payload: Any = None
+        self._held: dict[int, Any] = {}
+        self._replays: list[Any] = []
+        self.replayed = 0
         self._attach()
         if config.watch_start:  # the first updates are watched (not counted as a diagnosis)
             self._start(0, count=False)
@@ -272,6 +281,28 @@ class Healer:
         """Whether a watch is on the model now (``TrainStep`` then runs eagerly)."""
         return self._watches is not None
 
+    @property
+    def replaying(self) -> bool:
+        """Whether a ``TrainStep`` should hand its batches to `hold` now: replay is on and a
+        diagnosis is running (only its overflows can lead to a move)."""
+        return self.config.replay and self._watches is not None and self.stopped is None
+
+    def hold(self, payload: Any) -> None:
+        """Keep `payload` (a copy of the batch a ``TrainStep`` is about to run; None after it)
+        if this step's skip turns out to be one a move explains, so that it can run again.
+
+        Cost: memory for at most ``overflows`` batches per module under diagnosis, held for
+        `window` updates at most (never while idle).
+        """
+        self._payload = payload
+
+    def take_replays(self) -> list[Any]:
+        """The payloads of skipped steps that the last move fixed, oldest first (then empty):
+        running them again gives back the updates the diagnosis cost."""
+        out, self._replays = self._replays, []
+        self.replayed += len(out)
+        return out
+
     # ------------------------------------------------------------------ the scaler's reports
 
     def _on_skip(self, event: Any) -> None:
@@ -323,6 +354,7 @@ class Healer:
         self._watches, self._own, self._seen = None, [], []
         self._recent = []
         self._scale_before = None
+        self._held.clear()  # overflows that moved nothing: their steps stay skipped
         if self._removers:  # after a move the next module often overflows soon: look early
             self._every = 1
             self.scaler.check_every = self._every
@@ -358,7 +390,11 @@ class Healer:
                     key = (i, event.module or "")
                     self._hits.setdefault(key, []).append((updates, event))
                     self._last_activity = updates
+                    if self._payload is not None:
+                        self._held[updates] = self._payload
         window = self.config.window
+        for old in [u for u in self._held if u <= updates - window]:
+            del self._held[old]
         for key in list(self._hits):
             hits = [h for h in self._hits.get(key, []) if h[0] > updates - window]
             self._hits[key] = hits
@@ -409,6 +445,9 @@ class Healer:
         names = [n for n in kept if not n.startswith(target + ".")] + [target]
         fp32.set(names, {target: str(move)})
         self.moves.append(move)
+        for update, _ in hits:  # the steps this move would have saved run again (TrainStep)
+            if update in self._held:
+                self._replays.append(self._held.pop(update))
         self._hits = {k: v for k, v in self._hits.items()
                       if not (k[0] == index and (k[1] == target
                                                  or k[1].startswith(target + ".")))}  # fmt: skip
@@ -424,6 +463,8 @@ class Healer:
             loss.state.scale.clamp_(min=value)
 
     def _give_up(self, why: str) -> None:
+        self._held.clear()
+        self._replays.clear()
         self.stopped = why
         self.notes.append(why)
         self._stop()
@@ -441,6 +482,11 @@ class Healer:
         head = (f"healing: {len(self.moves)} module(s) moved to fp32 (budget {self.budget}), "
                 f"{self.diagnoses} diagnosis(es); rule: {self.config.summary()}")  # fmt: skip
         lines = [head] + [f"  {m}" for m in self.moves]
+        if self.replayed:
+            lines.append(
+                f"  {self.replayed} skipped step(s) run again after the move that fixed "
+                f"them (TrainStep replays their batches): no update was lost to them"
+            )
         if self.diagnosing:
             lines.append("  diagnosing now: a watch is on the model")
         lines += [f"  stopped: {n}" for n in self.notes]
@@ -496,6 +542,8 @@ class Healer:
             self._moved = False
             self._stop()
         self._recent, self._scale_before, self._batch = [], None, []
+        self._held.clear()
+        self._replays.clear()
         for index, (_, fp32) in enumerate(self._targets):
             mine = [m for m in moves if m.model == index]
             fp32.set([m.module for m in mine], {m.module: str(m) for m in mine})

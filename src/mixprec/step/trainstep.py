@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils._pytree import tree_map
 
 from mixprec.diagnostics.watch import watcher_of
 from mixprec.distributed import ddp as ddp_rules
@@ -492,10 +493,31 @@ class TrainStep:
                 error, which is chained (``__cause__``) with its traceback from the user's code.
         """
         try:
-            return self._call(batch)
+            healer = self.healer
+            if healer is None or not healer.replaying:
+                return self._call(batch)
+            return self._call_replaying(healer, batch)
         except BatchError as err:
             # Re-raised here: the traceback shows the caller's line, not the step's machinery.
             raise err.with_traceback(None) from err.__cause__
+
+    def _call_replaying(self, healer: Any, batch: tuple[Any, ...]) -> torch.Tensor:
+        """A step while healing diagnoses (``HealConfig.replay``): the healer keeps a copy of
+        each batch whose skip an overflow explains; after a move, those steps run again with
+        the module in fp32, oldest first, so the move costs no update. Returns the loss of
+        the last step run: this batch's, replayed or not."""
+        queue = [batch]
+        loss = None
+        while queue:
+            current = queue.pop(0)
+            healer.hold(_copy_batch(current) if healer.replaying else None)
+            try:
+                loss = self._call(current)
+            finally:
+                healer.hold(None)
+            queue += healer.take_replays()
+        assert loss is not None
+        return loss
 
     def _call(self, batch: tuple[Any, ...]) -> torch.Tensor:
         self.calls += 1
@@ -798,3 +820,9 @@ def _host_lr(state: dict[str, Any]) -> dict[str, Any]:
         if isinstance(group.get("lr"), torch.Tensor):
             group["lr"] = float(group["lr"])
     return state
+
+
+def _copy_batch(batch: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The batch with every tensor copied: a data loader may refill its buffers in place
+    before a held batch is replayed."""
+    return tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, batch)
