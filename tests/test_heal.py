@@ -499,16 +499,27 @@ def _sgd_step(model: nn.Module, **kw) -> mixprec.TrainStep:
                              F.mse_loss, dtype="fp16", compile=False, **kw)  # fmt: skip
 
 
-def test_trainstep_replays_the_steps_a_move_explains_so_healing_loses_no_update():
-    # Reference: the same run with the healed policy from the start (no skipped step).
-    tuned = _sgd_step(overflowing(), policy=f"{GPU},fp32_modules=ff.wo")
-    batches = data(12)
-    ref = [tuned(x, y).item() for x, y in batches]
-    # Healing, fed from one buffer that the "loader" refills in place: a held batch must be a
-    # copy, or the replays would train on the latest batch three times.
+def _with_dropout() -> Net:
     model = overflowing()
+    model.inp = nn.Sequential(model.inp, nn.Dropout(0.2))  # draws from the global generator
+    return model
+
+
+@pytest.mark.parametrize("make", [overflowing, _with_dropout], ids=["plain", "dropout"])
+def test_trainstep_replays_the_steps_a_move_explains_so_healing_loses_no_update(make):
+    # Reference: the same run with the healed policy from the start (no skipped step).
+    tuned = _sgd_step(make(), policy=f"{GPU},fp32_modules=ff.wo")
+    batches = data(12)
+    torch.manual_seed(1)
+    ref = [tuned(x, y).item() for x, y in batches]
+    rng_after = torch.get_rng_state()
+    # Healing, fed from one buffer that the "loader" refills in place: a held batch must be a
+    # copy, or the replays would train on the latest batch three times. With dropout, a replay
+    # must draw its first attempt's masks, or the run drifts from the reference.
+    model = make()
     step = _sgd_step(model, policy=GPU, heal=True)
     bx, by = torch.empty_like(batches[0][0]), torch.empty_like(batches[0][1])
+    torch.manual_seed(1)
     losses = []
     for x, y in batches:
         bx.copy_(x)
@@ -521,9 +532,9 @@ def test_trainstep_replays_the_steps_a_move_explains_so_healing_loses_no_update(
     # optimizer took every update, in the batches' order, exactly as the tuned run did.
     assert not any(torch.isfinite(torch.tensor(losses[:2])))
     assert losses[2:] == ref[2:]
-    assert step.optimizer.optimizer.state[model.inp.weight]["momentum_buffer"] is not None
     for a, b in zip(model.parameters(), tuned.model.parameters(), strict=True):
         assert torch.equal(a, b)
+    assert torch.equal(torch.get_rng_state(), rng_after)  # and the generator is where it was
     assert not healer.diagnosing and not healer._held  # nothing kept after the diagnosis
 
 

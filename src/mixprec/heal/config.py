@@ -48,8 +48,10 @@ class HealConfig:
             (their skips cost a short run its accuracy). Costs those steps run eagerly with
             the watch's reductions.
         replay: in a ``TrainStep``, run the steps a move explains again right after the move
-            (their batches are copied while a diagnosis runs), so healing costs no update: the
-            run follows the trajectory of a policy that kept the module in fp32 from the start.
+            (their batches are copied while a diagnosis runs, with the random number
+            generators' states: a replay draws its first attempt's dropout masks), so healing
+            costs no update: the run follows the trajectory of a policy that kept the module
+            in fp32 from the start.
             A replayed step uses the optimizer's settings at the time of the replay (an LR
             schedule stepped by your loop has moved on by up to `overflows` steps). Costs
             memory for the held batch copies (at most `overflows` per module under diagnosis)

@@ -503,14 +503,19 @@ class TrainStep:
 
     def _call_replaying(self, healer: Any, batch: tuple[Any, ...]) -> torch.Tensor:
         """A step while healing diagnoses (``HealConfig.replay``): the healer keeps a copy of
-        each batch whose skip an overflow explains; after a move, those steps run again with
-        the module in fp32, oldest first, so the move costs no update. Returns the loss of
-        the last step run: this batch's, replayed or not."""
-        queue = [batch]
+        each batch whose skip an overflow explains, with the random number generators' states
+        the step started from; after a move, those steps run again with the module in fp32,
+        oldest first, drawing the same random numbers (dropout masks) as their first attempt,
+        so the move costs no update and the run continues as one that kept the module in fp32
+        from the start. Returns the loss of the last step run: this batch's, replayed or not."""
+        queue: list[tuple[tuple[Any, ...], Any]] = [(batch, None)]
         loss = None
         while queue:
-            current = queue.pop(0)
-            healer.hold(_copy_batch(current) if healer.replaying else None)
+            current, rng = queue.pop(0)
+            if rng is not None:
+                _set_rng(rng)
+            held = (_copy_batch(current), _get_rng(self._device)) if healer.replaying else None
+            healer.hold(held)
             try:
                 loss = self._call(current)
             finally:
@@ -826,3 +831,16 @@ def _copy_batch(batch: tuple[Any, ...]) -> tuple[Any, ...]:
     """The batch with every tensor copied: a data loader may refill its buffers in place
     before a held batch is replayed."""
     return tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, batch)
+
+
+def _get_rng(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None, torch.device]:
+    """The default generators' states (CPU, and the step's CUDA device): host copies, no sync."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda, device
+
+
+def _set_rng(state: tuple[torch.Tensor, torch.Tensor | None, torch.device]) -> None:
+    cpu, cuda, device = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
