@@ -427,8 +427,9 @@ def summarise(runs: list[dict[str, Any]], steps: int) -> dict[str, Any]:
             return sum(tail) / len(tail) if all(map(math.isfinite, tail)) else math.nan
 
         spread = [final(r) for (v, _), r in mine.items() if v in ("bf16", "fp32")]
+        seeds = sorted({s for (v, s) in mine if v in ("bf16", "fp32")})
         lo, hi = min(spread), max(spread)
-        row: dict[str, Any] = {"seed_range": [lo, hi]}
+        row: dict[str, Any] = {"seed_range": [lo, hi], "seeds": seeds}
         for variant in ("fp16", "tuned", "heal"):
             r = mine.get((variant, 0))
             if r is None:
@@ -531,7 +532,9 @@ def table(summary: dict[str, Any], peer_rows: list[dict[str, Any]]) -> str:
             moves = "+".join(e.get("moves", [])) or "-"
             lines.append(f"{name:<13} {variant:<6} {e['final_loss']:>10.4f} {e['skipped']:>8} "
                          f"{scale:>9} {moves[:40]:<40} {'; '.join(notes)}")  # fmt: skip
-        lines.append(f"{name:<13} {'bf16/fp32 seeds 0-2: final loss in [' + format(lo, '.4f')}, "
+        seeds = row.get("seeds", [0, 1, 2])
+        which = f"{seeds[0]}-{seeds[-1]}" if len(seeds) > 1 else f"{seeds[0]}"
+        lines.append(f"{name:<13} {'bf16/fp32 seeds ' + which + ': final loss in ['}{lo:.4f}, "
                      f"{hi:.4f}]; goal met: {row.get('goal_met')}")  # fmt: skip
     if peer_rows:
         lines += ["", "healthy models, heal=True vs off (median of interleaved rounds):"]

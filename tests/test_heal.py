@@ -558,3 +558,29 @@ def test_an_initialize_loop_cannot_replay_and_holds_nothing():
     loop(model, opt, data(12))
     assert [m.module for m in opt.healer.moves] == ["ff.wo"]
     assert opt.healer.replayed == 0 and not opt.healer._held
+
+
+def test_the_fp16_zoo_benchmark_runs_and_reports_the_replayed_moves(tmp_path):
+    """benchmarks/fp16_zoo.py at toy length (primer, 12 steps, one seed): the JSON, the table
+    and the PNG are written, and the healed run moved primer's c_proj and replayed its skips."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    js, txt, png = tmp_path / "z.json", tmp_path / "z.txt", tmp_path / "z.png"
+    out = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "fp16_zoo.py"), "--steps", "12",
+         "--models", "primer", "--seeds", "1", "--json", str(js), "--txt", str(txt),
+         "--png", str(png)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(js.read_text())
+    heal = doc["summary"]["primer"]["heal"]
+    assert heal["moves"] == ["blocks.1.mlp.c_proj"] and heal["replayed"] == 3
+    assert heal["skipped_after_last_move"] == 0
+    assert doc["summary"]["primer"]["tuned"]["moves"] == ["blocks.1.mlp.c_proj"]
+    assert "bf16/fp32 seeds 0: final loss in" in txt.read_text()
+    assert png.read_bytes()[:4] == b"\x89PNG"
