@@ -9,9 +9,11 @@ memory timeline (``export_memory_timeline``) attributes each live tensor to a ca
 step is the figure reported here: the bytes torch had allocated for this step's tensors at the
 step's busiest moment, parameters and optimizer state included.
 
-Cost: one warm-up step runs under the profiler (about as fast as a plain step), then building
-the timeline takes about a second per row on two cores; the benchmark leaves that out of its
-time budget and reports it.
+Cost: one extra step runs under the profiler (about as fast as a plain step), after a first
+warm-up step: the first step's one-time work is not the step's memory, and its events made the
+timeline slow to build (21 s for an O1 row, 0.4 s from the second step). Building it takes
+0.1-2.5 s per row on two cores (the ResNet-50 rows the longest); the benchmark leaves that out
+of its time budget and reports it.
 """
 
 from __future__ import annotations
