@@ -584,3 +584,16 @@ def test_the_fp16_zoo_benchmark_runs_and_reports_the_replayed_moves(tmp_path):
     assert doc["summary"]["primer"]["tuned"]["moves"] == ["blocks.1.mlp.c_proj"]
     assert "bf16/fp32 seeds 0: final loss in" in txt.read_text()
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_replay_is_off_across_processes(monkeypatch):
+    # Each rank decides its moves from its own batches: a replay (a collective) that one rank
+    # runs and another does not would hang DDP, so several ranks never replay.
+    import mixprec.step.trainstep as trainstep
+
+    step = _sgd_step(overflowing(), policy=GPU, heal=True)
+    monkeypatch.setattr(trainstep, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a, **k: 2)
+    for x, y in data(12):
+        step(x, y)
+    assert [m.module for m in step.healer.moves] == ["ff.wo"] and step.healer.replayed == 0

@@ -56,7 +56,9 @@ class HealConfig:
             schedule stepped by your loop has moved on by up to `overflows` steps). Costs
             memory for the held batch copies (at most `overflows` per module under diagnosis)
             and a copy of each batch while a diagnosis runs. Loops that call ``backward``
-            themselves cannot replay: their skipped steps stay skipped.
+            themselves cannot replay: their skipped steps stay skipped; nor can a step under
+            several processes (DDP, FSDP): each rank decides its moves from its own batches,
+            and a replayed step is a collective every rank would have to run.
 
     Raises:
         PolicyError: a value out of range (the message names it and the valid range).

@@ -494,7 +494,7 @@ class TrainStep:
         """
         try:
             healer = self.healer
-            if healer is None or not healer.replaying:
+            if healer is None or not healer.replaying or _several_ranks():
                 return self._call(batch)
             return self._call_replaying(healer, batch)
         except BatchError as err:
@@ -831,6 +831,12 @@ def _copy_batch(batch: tuple[Any, ...]) -> tuple[Any, ...]:
     """The batch with every tensor copied: a data loader may refill its buffers in place
     before a held batch is replayed."""
     return tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, batch)
+
+
+def _several_ranks() -> bool:
+    """Replay is off across processes: each rank decides its moves from its own batches'
+    overflows, and a replayed step is a collective that every rank would have to run."""
+    return is_initialized() and torch.distributed.get_world_size() > 1
 
 
 def _get_rng(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None, torch.device]:
