@@ -575,14 +575,35 @@ def plot(runs: list[dict[str, Any]], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--models", default=",".join(ZOO))
-    parser.add_argument("--seeds", type=int, default=3, help="bf16/fp32 seeds (spread)")
-    parser.add_argument("--peers", action="store_true", help="also time healthy models")
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--json", default="benchmarks/results/fp16_zoo_cpu.json")
-    parser.add_argument("--txt", default="benchmarks/results/fp16_zoo_cpu.txt")
-    parser.add_argument("--png", default="benchmarks/results/fp16_zoo_cpu.png")
+    parser.add_argument("--steps", type=int, default=150,
+                        help="training steps per run (default: 150)")  # fmt: skip
+    parser.add_argument("--models", default=",".join(ZOO),
+                        help=f"comma-separated, from: {', '.join(ZOO)} (default: all)")  # fmt: skip
+    parser.add_argument("--seeds", type=int, default=3,
+                        help="bf16 and fp32 runs per model, seeds 0.. (their spread is the "
+                        "accuracy band; default: 3)")  # fmt: skip
+    parser.add_argument("--peers", action="store_true",
+                        help="also time healthy models with heal on and off")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=7,
+                        help="interleaved timing rounds of --peers (default: 7)")  # fmt: skip
+    parser.add_argument(
+        "--json",
+        default="benchmarks/results/fp16_zoo_cpu.json",
+        metavar="PATH",
+        help="every run's losses, scales and moves (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--txt",
+        default="benchmarks/results/fp16_zoo_cpu.txt",
+        metavar="PATH",
+        help="the table (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--png",
+        default="benchmarks/results/fp16_zoo_cpu.png",
+        metavar="PATH",
+        help="loss and loss scale per model (default: %(default)s)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(min(2, torch.get_num_threads()))
     runs = []

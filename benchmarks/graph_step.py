@@ -220,13 +220,25 @@ def measure(step: Callable[[], torch.Tensor], device: str, warmup: int, steps: i
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workloads", default="mlp,resnet50,gpt2")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    ap.add_argument("--workloads", default="mlp,resnet50,gpt2",
+                    help="comma-separated, from: mlp, resnet50, gpt2 (default: all)")  # fmt: skip
+    ap.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help="comma-separated, from: " + ", ".join(VARIANTS) + " (default: all)",
+    )
+    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                    help="default: cuda where available, else cpu")  # fmt: skip
     ap.add_argument("--full", action="store_true", help="the seeds' sizes on a CPU too")
     ap.add_argument("--steps", type=int, default=None, help="steps per round (default 20 GPU)")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="rounds of steps, variants in turns; the median is reported (default: 5)",
+    )
+    ap.add_argument("--warmup", type=int, default=5,
+                    help="untimed steps per variant first (default: 5)")  # fmt: skip
     ap.add_argument(
         "--batch",
         type=int,
@@ -236,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile-backend", default="inductor",
                     help="torch.compile backend of the +compile variants (default inductor; "
                     "eager or aot_eager make smoke runs fast)")  # fmt: skip
-    ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--json", metavar="PATH", help="write the rows as JSON records")
     args = ap.parse_args(argv)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" \
         else args.device  # fmt: skip
