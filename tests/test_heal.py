@@ -188,6 +188,9 @@ def test_heal_config_validates_and_describe_says_what_heal_does():
         mixprec.describe("O1", device_type="cuda", heal={"overflow": 2})
     text = str(mixprec.describe("O1", device_type="cuda", heal={"overflows": 2}))
     assert "heal                   = on" in text and "overflows 2x within 50 updates" in text
+    assert "a TrainStep replays the steps skipped before a move" in text
+    off = str(mixprec.describe("O1", device_type="cuda", heal={"replay": False}))
+    assert "heal                   = on" in off and "replays" not in off
     assert "inactive" in str(mixprec.describe("O1", device_type="cpu", dtype="bf16", heal=True))
 
 

@@ -128,9 +128,10 @@ class HealConfig:
 
     def summary(self) -> str:
         """One line: the rule in words."""
+        replay = "; a TrainStep replays the steps skipped before a move" if self.replay else ""
         return (
             f"move a module to fp32 after it overflows {self.overflows}x within {self.window} "
-            f"updates (at most {self.max_fraction:.0%} of modules)"
+            f"updates (at most {self.max_fraction:.0%} of modules){replay}"
         )
 
     def as_dict(self) -> dict[str, Any]:
