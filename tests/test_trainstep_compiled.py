@@ -118,6 +118,26 @@ def test_inductor_o1_adamw_fuses_the_update_and_still_skips_exactly():
     assert step.scaler.stats()["losses"][0] == eager.scaler.stats()["losses"][0]
 
 
+def test_update_graph_narrows_inductors_fusion_search_unless_the_caller_says_otherwise(
+    monkeypatch,
+):
+    # The update's nodes all read the skip flag and the inverse scale; inductor's default
+    # search pairs each with 64 others through them (tens of seconds for ResNet-50's update).
+    seen: list[dict] = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw) or fn)
+    model = _model()
+    _, opt = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O1",
+                                dtype="bf16")  # fmt: skip
+    StepUpdate(opt, None, None)
+    StepUpdate(opt, None, {"options": {"max_fusion_buffer_group_pairwise_attempts": 64, "x": 1}})
+    StepUpdate(opt, None, {"mode": "max-autotune"})  # torch.compile takes mode or options
+    StepUpdate(opt, None, {"backend": "aot_eager"})
+    assert seen[0]["options"] == {"max_fusion_buffer_group_pairwise_attempts": 8}
+    assert seen[1]["options"] == {"max_fusion_buffer_group_pairwise_attempts": 64, "x": 1}
+    assert "options" not in seen[2] and seen[2]["mode"] == "max-autotune"
+    assert "options" not in seen[3]
+
+
 @pytest.mark.slow
 def test_inductor_o2_masters_skip_and_copy_back():
     eager, step = _pair(OPTIMIZERS["sgd-momentum"], {"kernels": "native"}, level="O2")
