@@ -258,6 +258,7 @@ def test_readme_bench_on_slow_16_bit_matmuls_ends_within_its_budget(tmp_path):
     assert f"Sizes fitted to a {budget} s budget" in out.stdout
     # Progress: the statement as soon as the rates are known, and what runs.
     assert "What this machine can show" in out.stderr and "in turns, step" in out.stderr
+    assert "profiler_start" not in out.stderr  # the profiler's native lines are muted
     # Every 16-bit row sits in a block with an fp32 row of the same size, and no % peak
     # above 100 goes unexplained.
     for w in {r["workload"] for r in rows}:

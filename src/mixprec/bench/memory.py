@@ -18,18 +18,42 @@ of its time budget and reports it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 __all__ = ["METHOD", "cpu_peak_mib"]
 
 #: How the CPU figure is measured, in words (the table's footnote and the JSON's metadata).
 METHOD = "torch.profiler memory timeline (CPU allocator events), one extra step per row"
+
+
+@contextlib.contextmanager
+def _native_stderr_muted() -> Iterator[None]:
+    """Native code's writes to standard error go nowhere inside the block.
+
+    torch 2.13's profiler (kineto) writes a line to file descriptor 2 at each start and stop
+    ("USDT:... profiler_start"), and torch's CPU allocator one when a block allocated before the
+    start is freed under the profiler: native writes Python cannot filter, breaking up the
+    progress line several times a row. An error inside the block still reaches the caller
+    (as an exception); a crash's native message would not.
+    """
+    fd = 2  # C's stderr, where native code writes, whatever Python's sys.stderr is now
+    sys.stderr.flush()
+    saved = os.dup(fd)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), fd)
+        yield
+    finally:
+        os.dup2(saved, fd)
+        os.close(saved)
 
 
 def cpu_peak_mib(step: Callable[[], Any]) -> tuple[float | None, float]:
@@ -43,8 +67,9 @@ def cpu_peak_mib(step: Callable[[], Any]) -> tuple[float | None, float]:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "memory block of unknown size": allocated before
-            with profile(activities=[ProfilerActivity.CPU], profile_memory=True,
-                         record_shapes=True, with_stack=True) as prof:  # fmt: skip
+            prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True,
+                           record_shapes=True, with_stack=True)  # fmt: skip
+            with _native_stderr_muted(), prof:
                 start = time.perf_counter()
                 step()
                 seconds = time.perf_counter() - start

@@ -206,7 +206,10 @@ def _time_block(
 
     def member(v: Variant) -> _Member:
         nonlocal end
-        m = probes.pop((v.name, level), None) or w.build(v, level)
+        m = probes.pop((v.name, level), None)
+        if m is None:
+            label(f"{where}: {v.preparing(w.device, w.world_size > 1)}")
+            m = w.build(v, level)
         if m.compile_s:  # compiling is reported on its own, outside the budget
             end += m.compile_s
             if clock is not None:

@@ -39,6 +39,12 @@ class Variant:
         # its sizes and the report says how slow it is, measured.
         return True, ""
 
+    def preparing(self, device: str, distributed: bool = False) -> str:
+        """What building this variant does, for the progress line (compiling takes minutes)."""
+        if self.name == "trainstep" and device != "cuda" and not distributed:
+            return f"compiling {self.name} (first time: minutes; then cached)"
+        return f"preparing {self.name}"
+
     def build(
         self, workload: Workload, size: WorkloadSize, device: str, dtype: torch.dtype,
         dist: Any = None,
