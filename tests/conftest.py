@@ -26,6 +26,14 @@ def _share_the_cores() -> None:
     if torch.get_num_threads() > threads:
         torch.set_num_threads(threads)
         os.environ["OMP_NUM_THREADS"] = str(threads)
+    # Inductor compiles C++ in a pool of cpu_count worker processes, started (each importing
+    # torch) the first time a worker compiles: per pytest worker, on cores the other worker
+    # uses too. With one core each, compiling in the worker itself is quicker.
+    if threads == 1:
+        os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+        import torch._inductor.config as inductor_config
+
+        inductor_config.compile_threads = 1
 
 
 _share_the_cores()
