@@ -228,7 +228,10 @@ PARTS: list[Part] = [
         command=lambda ctx: [ctx.python, "-m", "mixprec", "bench",
                              "mlp" if ctx.smoke else "all", "--no-progress",
                              "--json", ctx.path("h.json"), "--plot", ctx.path("h.png")]
-        + (["--device", "cpu", "--steps", "1", "--warmup", "0"] if ctx.smoke else ["--full"]),
+        # Smoke: three rows are enough to check the command and its extraction; every row,
+        # TrainStep's compile included, runs in tests/test_cli.py's tiny bench.
+        + (["--device", "cpu", "--steps", "1", "--warmup", "0", "--variants",
+            "fp32,torch.amp,O1"] if ctx.smoke else ["--full"]),
         extract=ex.extract_bench, artefacts=(("h.png", "bench.png"),),
         goals=(Goal("max peak / torch.amp peak", "<=", 1.0,
                     "peak memory <= torch.amp on every row (mixprec bench --full)"),),
