@@ -101,22 +101,3 @@ def test_launch_errors_name_the_fix(argv, env, message, monkeypatch, capsys, tmp
     command = argv[0]
     assert capsys.readouterr().err.strip() == f"mixprec {command}: error: {message}"
     assert not list(tmp_path.iterdir())  # refused before any output was created
-
-
-def test_ddp_trainstep_script_runs_at_toy_sizes_on_a_cpu(tmp_path):
-    # The GPU suite's smoke mode runs it so; on a GPU it checks the captured DDP step.
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    js = tmp_path / "ddp.json"
-    out = subprocess.run(
-        [sys.executable, os.path.join(root, "benchmarks", "ddp_trainstep.py"), "--device", "cpu",
-         "--steps", "18", "--width", "32", "--batch", "8", "--json", str(js)],
-        capture_output=True, text=True, timeout=600,
-        env={**ENV, "PYTHONPATH": os.path.join(root, "src")},
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
-    records = json.loads(js.read_text())
-    assert sorted((r["level"], r["rank"]) for r in records) == [
-        ("O1", 0), ("O1", 1), ("O2", 0), ("O2", 1),
-    ]  # fmt: skip
-    assert all(r["failed"] == [] and r["first_captured_call"] is None for r in records)
-    assert "checks: all passed" in out.stdout

@@ -136,6 +136,20 @@ def test_part_a_selects_every_cuda_test_module(smoke):
         assert f"tests.{path.stem}" in seen, f"{path.name} has no test marked gpu"
 
 
+@pytest.mark.slow
+def test_ddp_part_trains_both_levels_on_both_ranks_and_passes_its_checks(smoke):
+    """benchmarks/ddp_trainstep.py at toy sizes on a CPU (2 gloo ranks, TrainStep with
+    ddp=True, O1 and O2), as the smoke's j-ddp part runs it: the step runs eagerly on a CPU
+    (nothing is captured) and every check of the script passes."""
+    work = smoke["work"] / "j-ddp"
+    records = json.loads((work / "j-ddp.json").read_text())
+    assert sorted((r["level"], r["rank"]) for r in records) == [
+        ("O1", 0), ("O1", 1), ("O2", 0), ("O2", 1),
+    ]  # fmt: skip
+    assert all(r["failed"] == [] and r["first_captured_call"] is None for r in records)
+    assert "checks: all passed" in (work / "j-ddp.log").read_text()
+
+
 def test_part_a_collects_the_whole_suite_on_a_gpu(tmp_path):
     """On the GPU part a selects from every test module; the smoke run (above) only from those
     that use the gpu mark, which are the same tests without importing the whole suite."""

@@ -180,6 +180,7 @@ PARTS: list[Part] = [
         title="TrainStep under DDP: the whole step, DDP's all-reduce included, one CUDA graph",
         command=lambda ctx: [ctx.python, "benchmarks/ddp_trainstep.py", "--json",
                              ctx.path("j-ddp.json")]
+        # tests/test_gpu_suite.py checks the smoke run's records and the script's own checks
         + (["--device", "cpu", "--steps", "18", "--width", "32", "--batch", "8"]
            if ctx.smoke else ["--nproc", "1"]),
         extract=ex.extract_ddp, ok_returncodes=(0, 1),  # 1: a check failed, JSON written
