@@ -39,9 +39,13 @@ class Variant:
         # its sizes and the report says how slow it is, measured.
         return True, ""
 
+    def compiles_when_built(self, device: str, distributed: bool = False) -> bool:
+        """Whether `build` compiles (the TrainStep row off CUDA, where it is not under DDP)."""
+        return self.name == "trainstep" and device != "cuda" and not distributed
+
     def preparing(self, device: str, distributed: bool = False) -> str:
         """What building this variant does, for the progress line (compiling takes minutes)."""
-        if self.name == "trainstep" and device != "cuda" and not distributed:
+        if self.compiles_when_built(device, distributed):
             return f"compiling {self.name} (first time: minutes; then cached)"
         return f"preparing {self.name}"
 
@@ -103,7 +107,7 @@ class Variant:
             def run() -> torch.Tensor:
                 return train_step(*batch)
 
-            if device != "cuda" and train_step.graphs_compiled == 0 and not ddp:
+            if self.compiles_when_built(device, ddp) and train_step.graphs_compiled == 0:
                 # Compile now (the first step creates the optimizer state and compiles the
                 # forward, the second compiles the update): the time is reported on its own,
                 # and the warm-up that follows times the compiled step.
