@@ -134,7 +134,7 @@ PRESETS: dict[OptLevel, _Preset] = {
         "weights directly, computing in fp32 and rounding stochastically from a seeded counter "
         "hash, so updates below bf16's resolution still accumulate on average; its moments "
         "are stored in 8 bits per value, blockwise (256 values share an fp32 maximum) with "
-        "the dynamic code, except tensors under 4096 elements, which stay fp32. Per parameter: "
+        "a quartic code, except tensors under 4096 elements, which stay fp32. Per parameter: "
         "weight 2 + gradient 2 + two moments 2.03 bytes, against 16 for fp32 AdamW. Overflow "
         "skips, checkpoints and TrainStep work as at every level.",
         "low",
@@ -159,7 +159,7 @@ MASTER_WEIGHTS = {
 OPTIMIZER_STATES = {
     "fp32": "the optimizer's own state (torch's: the dtype of what it steps)",
     "bf16": "bf16 moments, written with stochastic rounding (2 bytes per moment)",
-    "8bit": "8-bit blockwise dynamic-code moments (about 1.016 bytes per moment)",
+    "8bit": "8-bit blockwise quartic-code moments (about 1.016 bytes per moment)",
 }
 
 #: The override names `initialize` accepts (Apex's, plus mixprec's `policy` and `num_losses`).
