@@ -47,6 +47,7 @@ from mixprec.errors import ArgumentTypeError, PolicyError, format_options
 from mixprec.optim import codes
 from mixprec.optim.rounding import (
     _M32,
+    computed_once,
     join_master,
     kahan_add,
     mix_seed,
@@ -412,8 +413,8 @@ class LowMemAdamW(LowMemOptimizer):
         self._write(group, state, m_name, m_signed, m, 1)
         self._write(group, state, v_name, v_signed, v, 2)
         step = state["step"].double()
-        correction1 = (1 - beta1**step).float()
-        correction2_sqrt = (1 - beta2**step).sqrt().float()
+        correction1 = computed_once((1 - beta1**step).float())
+        correction2_sqrt = computed_once((1 - beta2**step).sqrt().float())
         denom = v.sqrt() / correction2_sqrt + eps
         update = m / denom * (-lr / correction1)
         self._apply(group, p, state, update if delta is None else update + delta)
