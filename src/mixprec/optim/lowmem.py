@@ -24,10 +24,9 @@ int32 word) and block maxima (fp32). So a checkpoint holds all of it (``state_di
 exactly and loads with ``weights_only=True``), mixprec's exact overflow skip restores all of
 it, and the step is plain tensor code that ``torch.compile`` traces into one graph
 (`mixprec.TrainStep`'s compiled step): no ``.item()``, no Python-number state, no
-data-dependent branches. The random
-bits of stochastic rounding depend on (seed, parameter index, step counter, element index)
-only, so eager and compiled steps round identically and a resumed run continues the same
-sequence.
+data-dependent branches. The random bits of stochastic rounding depend on (seed, parameter
+index, step counter, element index) only, so eager and compiled steps round identically and a
+resumed run continues the same sequence.
 
 Costs per step: eager, a few small kernels per parameter (for 8-bit states, about ten more per
 moment to decode and encode); the transient fp32 copies of one parameter's moments and update.
