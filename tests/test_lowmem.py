@@ -186,6 +186,12 @@ def test_counter_hash_is_murmur3s_finalizer_over_a_weyl_sequence_bit_for_bit(key
         for i in (0, 1, 2, 13, 65_535, 65_536, 69_999):
             want = _murmur_fmix32((i * golden + step) & 0xFFFFFFFF)
             assert got[i].item() & 0xFFFFFFFF == want, (key, counter, i)
+        # An offset (a plane of a tensor), across 2^31 (the int64 index path) and 2^32.
+        for offset in (2**31 - 5, 2**32 - 5):
+            got = hash_bits(torch.tensor(key), torch.tensor(float(counter)), 10, offset)
+            for i in range(10):
+                want = _murmur_fmix32(((offset + i) * golden + step) & 0xFFFFFFFF)
+                assert got[i].item() & 0xFFFFFFFF == want, (key, counter, offset, i)
 
 
 def test_stochastic_rounding_is_unbiased_and_picks_a_neighbour():
