@@ -83,6 +83,11 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided((t.numel(),), (1,))
 
 
+def _shaped(value: Any, numel: int) -> bool:
+    """Whether a state entry is a tensor shaped like its parameter (of `numel` elements)."""
+    return torch.is_tensor(value) and value.dim() > 0 and value.numel() == numel
+
+
 class _Plane(dict):
     """Plane `plane` of a parameter's state, for one plane's update (`_step_planes`).
 
@@ -97,7 +102,7 @@ class _Plane(dict):
         size = numel // codes.PLANES
         super().__init__()
         for name, value in state.items():
-            if torch.is_tensor(value) and value.numel() == numel and value.dim() > 0:
+            if _shaped(value, numel):
                 value = value.reshape(codes.PLANES, size)[plane].clone()
             self[name] = value
         self.plane, self.offset = plane, plane * size
@@ -173,7 +178,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
               shape: torch.Size) -> torch.Tensor:  # fmt: skip
         """A moment as an fp32 tensor of `shape`."""
         value = state[name]
-        if group["states"] == "8bit" and value.dtype == torch.int32:
+        if value.dtype == torch.int32:  # 8-bit codes
             absmax = state[name + "_absmax"]
             if isinstance(state, _Plane):
                 absmax = absmax.view(codes.PLANES, -1)[state.plane]
@@ -185,7 +190,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
                value: torch.Tensor, salt: int) -> None:  # fmt: skip
         """Store the fp32 moment `value` in its precision."""
         held = state[name]
-        if group["states"] == "8bit" and held.dtype == torch.int32:
+        if held.dtype == torch.int32:  # 8-bit codes
             if isinstance(state, _Plane):
                 state.pending[name] = codes.quantize_plane(value, group["block_size"], signed)
                 return
@@ -299,7 +304,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
             weights.append(pk)
         p.copy_(torch.cat(weights))
         for name, value in state.items():
-            if torch.is_tensor(value) and value.numel() == numel and value.dim() > 0:
+            if _shaped(value, numel):
                 value.copy_(torch.cat([plane[name] for plane in planes]).view(value.shape))
         for name in planes[0].pending:
             parts = [plane.pending[name] for plane in planes]

@@ -59,16 +59,6 @@ def _fmix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ _srl(x, 16)
 
 
-def _fmix32_int(x: int) -> int:
-    """`_fmix32` on a Python int (the 32-bit reference, exact)."""
-    x &= _M32
-    x ^= x >> 16
-    x = (x * _C1) & _M32
-    x ^= x >> 13
-    x = (x * _C2) & _M32
-    return x ^ (x >> 16)
-
-
 def computed_once(t: torch.Tensor) -> torch.Tensor:
     """0-dim `t`, computed once per step when compiled instead of inside each element's loop.
 
@@ -96,7 +86,8 @@ def _to_int32(bits: torch.Tensor) -> torch.Tensor:
 
 def mix_seed(seed: int, salt: int) -> int:
     """A per-tensor 32-bit key from the optimizer's seed and a salt (the parameter's index)."""
-    return _fmix32_int(_fmix32_int(seed * 0x27D4EB2F + salt * _GOLDEN))
+    x = torch.tensor(_signed(seed * 0x27D4EB2F + salt * _GOLDEN), dtype=torch.int32)
+    return int(_fmix32(_fmix32(x))) & _M32
 
 
 def hash_bits(
