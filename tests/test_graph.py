@@ -540,6 +540,26 @@ def test_dynamic_shapes():
         assert _same(compiled(x), want)
 
 
+def test_the_inner_backend_sees_which_inputs_need_gradients():
+    """Inductor's C++-wrapper mode (``cpp_wrapper``) takes its example inputs from the
+    placeholders' values: detached, it compiled a training graph for inference, and backward
+    raised "element 0 of tensors does not require grad"."""
+    seen = {}
+
+    def inner(gm, example_inputs):
+        seen["vals"] = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+        seen["inputs"] = example_inputs
+        return gm.forward
+
+    lin = torch.nn.Linear(8, 8)
+    compiled = mixprec.compile(lambda x: lin(x).sum(), backend=inner, kernels="native")
+    compiled(torch.randn(2, 8)).backward()
+    needs = [t.requires_grad for t in seen["inputs"]]
+    assert sorted(needs) == [False, True, True]  # x; the weight and the bias
+    assert [v.requires_grad for v in seen["vals"]] == needs
+    assert lin.weight.grad is not None
+
+
 # ------------------------------------------------------------------------- bad input
 
 

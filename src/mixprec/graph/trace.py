@@ -80,7 +80,15 @@ def trace_with_policy(
         for t in example_inputs
     ]
     with fake_mode, fx_traceback.preserve_node_meta():
-        return make_fx(run, pre_dispatch=True, tracing_mode="real")(*fakes)
+        traced = make_fx(run, pre_dispatch=True, tracing_mode="real")(*fakes)
+    # make_fx records each input's value detached. Inductor's C++-wrapper mode (``cpp_wrapper``)
+    # takes its example inputs from these values: detached, the graph would be compiled for
+    # inference and return outputs that need no gradient.
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    for node, value in zip(placeholders, fakes, strict=True):
+        if isinstance(value, torch.Tensor):
+            node.meta["val"] = value
+    return traced
 
 
 #: ``node.meta['custom'][ORIGIN]`` on a recorded aten node: ``(name of the captured torch-level
