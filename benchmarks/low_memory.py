@@ -336,6 +336,11 @@ def speed(rounds: int, steps: int) -> dict:
         }
     if "O2" in out and "O4" in out:
         out["O4_over_O2"] = out["O4"]["median_ms"] / out["O2"]["median_ms"]
+        # Each round's O4 time over the O2 time measured just before it: the machine's speed
+        # drifts between rounds (O2's rounds spanned 12.6-18.0 ms in one run on the shared
+        # development CPU), and pairing neighbours takes the slow part of that drift out.
+        pairs = zip(times["O2"], times["O4"], strict=True)
+        out["O4_over_O2_rounds"] = [round(b / a, 4) for a, b in pairs]
     return out
 
 
@@ -441,6 +446,12 @@ def table(meta: dict, summary: dict, speeds: dict | None) -> str:
                 lines.append(f"| {name} | {row['median_ms']:.2f} | {how} |")
         if "O4_over_O2" in speeds:
             lines += ["", f"O4 / O2 step time: {speeds['O4_over_O2']:.3f}"]
+        rounds = speeds.get("O4_over_O2_rounds")
+        if rounds:
+            lines[-1] += (
+                f" (ratio of the medians; round by round: median "
+                f"{statistics.median(rounds):.3f}, {min(rounds):.3f}-{max(rounds):.3f})"
+            )
     return "\n".join(lines) + "\n"
 
 
