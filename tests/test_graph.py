@@ -558,6 +558,11 @@ def test_the_inner_backend_sees_which_inputs_need_gradients():
     assert sorted(needs) == [False, True, True]  # x; the weight and the bias
     assert [v.requires_grad for v in seen["vals"]] == needs
     assert lin.weight.grad is not None
+    # Called directly with real tensors (no dynamo, so no fake inputs to take the flags from).
+    gm = torch.fx.symbolic_trace(lambda x, y: (x * y).sum())
+    x, y = torch.randn(3, requires_grad=True), torch.randn(3)
+    mixprec.AmpBackend(backend=inner, kernels="native")(gm, [x, y])
+    assert [v.requires_grad for v in seen["vals"]] == [True, False]
 
 
 # ------------------------------------------------------------------------- bad input

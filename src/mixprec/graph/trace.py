@@ -71,7 +71,8 @@ def trace_with_policy(
     fake_mode = detect_fake_mode(example_inputs)
     if fake_mode is None:
         with fx_traceback.preserve_node_meta():
-            return make_fx(run, pre_dispatch=True, tracing_mode="fake")(*example_inputs)
+            traced = make_fx(run, pre_dispatch=True, tracing_mode="fake")(*example_inputs)
+        return _inputs_keep_requires_grad(traced, example_inputs)
     # Dynamo's own fake mode (and its shape environment): symbolic sizes stay symbolic.
     fakes = [
         fake_mode.from_tensor(t)
@@ -81,13 +82,22 @@ def trace_with_policy(
     ]
     with fake_mode, fx_traceback.preserve_node_meta():
         traced = make_fx(run, pre_dispatch=True, tracing_mode="real")(*fakes)
-    # make_fx records each input's value detached. Inductor's C++-wrapper mode (``cpp_wrapper``)
-    # takes its example inputs from these values: detached, the graph would be compiled for
-    # inference and return outputs that need no gradient.
+    return _inputs_keep_requires_grad(traced, fakes)
+
+
+def _inputs_keep_requires_grad(traced: fx.GraphModule, inputs: list[Any]) -> fx.GraphModule:
+    """Mark the recorded value of each input that requires grad as requiring it.
+
+    make_fx records each input's value detached. Inductor's C++-wrapper mode (``cpp_wrapper``)
+    takes its example inputs from these values: detached, a training graph would be compiled
+    for inference and return outputs that need no gradient.
+    """
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
-    for node, value in zip(placeholders, fakes, strict=True):
-        if isinstance(value, torch.Tensor):
-            node.meta["val"] = value
+    for node, value in zip(placeholders, inputs, strict=True):
+        val = node.meta.get("val")
+        needs = isinstance(value, torch.Tensor) and value.requires_grad
+        if needs and isinstance(val, torch.Tensor) and not val.requires_grad:
+            node.meta["val"] = val.detach().requires_grad_()
     return traced
 
 
