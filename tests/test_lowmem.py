@@ -237,6 +237,18 @@ def test_split_master_is_exact_and_its_weight_is_round_to_nearest():
     assert torch.equal(join_master(w, rest).view(torch.int32), x.view(torch.int32))
     tie = (x.view(torch.int32) & 0xFFFF) == 0x8000
     assert torch.equal(w[~tie], x.bfloat16()[~tie])  # round to nearest, but for exact ties
+    # Bit patterns at the edges (carries into the exponent and the sign, all-ones, NaNs,
+    # infinities), against the rule in Python integers: top half plus the low half's top bit.
+    edges = [0, 0x7FFF, 0x8000, 0x8001, 0xFFFF, 0x10000, 0x3F807FFF, 0x3F808000, 0x7F7FFFFF,
+             0x7F7F8000, 0x7F800000, 0x7FC00000, 0x7FFF8000, 0x80000000, 0x80008000,
+             0xFFFF7FFF, 0xFFFF8000, 0xFFFFFFFF]  # fmt: skip
+    signed = [u - (1 << 32) if u >= 1 << 31 else u for u in edges]
+    x = torch.tensor(signed, dtype=torch.int32).view(torch.float32)
+    w, rest = split_master(x)
+    assert torch.equal(join_master(w, rest).view(torch.int32), x.view(torch.int32))
+    top = [((u >> 16) + (u >> 15 & 1)) & 0xFFFF for u in edges]
+    assert [b & 0xFFFF for b in w.view(torch.int16).tolist()] == top
+    assert [b & 0xFFFF for b in rest.tolist()] == [u & 0xFFFF for u in edges]
 
 
 # ---------------------------------------------------------------------- the optimizers
