@@ -34,6 +34,7 @@ import importlib
 import inspect
 import re
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -65,7 +66,11 @@ def _reset_process_state() -> None:
 def test_blocks_run_in_order(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     blocks = parse(path)
     monkeypatch.chdir(tmp_path)
-    namespace: dict = {"__name__": "__docs__"}
+    # The blocks run in a module that is importable, as a reader's script is (``__main__``):
+    # torch 2.11's dynamo imports the module of a compiled function's globals by name.
+    module = types.ModuleType("__docs__")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    namespace: dict = module.__dict__
     skipped: list[str] = []
     try:
         for block in blocks:
