@@ -149,11 +149,40 @@ def test_o1_runs_forward_under_autocast_and_leaves_on_error():
     model = _net()
     model, _ = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O1")
     x = torch.randn(2, 16)
-    assert model(x).dtype == BF16 and model[0].weight.dtype == FP32
+    seen = []
+    model[3].register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+    # The last Linear computes in bf16; the model returns fp32 (see the next test).
+    assert model(x).dtype == FP32 and seen == [BF16] and model[0].weight.dtype == FP32
     assert not mixprec.is_autocast_enabled()
     with pytest.raises(RuntimeError):
         model(torch.randn(2, 5))  # wrong shape: forward raises inside the region
     assert not mixprec.is_autocast_enabled() and torch._C._len_torch_function_stack() == 0
+
+
+def test_o1_returns_fp32_outputs_so_a_loss_outside_the_model_runs_in_fp32():
+    """Apex's O1 patched torch, so a loss called on the outputs anywhere ran in fp32. Here the
+    region is the forward alone; fp32 outputs give the loss outside it the same: the value of
+    torch.amp's loop, whose loss runs inside the region on the fp16 outputs."""
+    x, y = _data(8)
+    target = torch.randn(8, 4)
+    ref = _net()
+    with torch.autocast("cpu", dtype=FP16):
+        out = ref(x)
+        want = F.cross_entropy(out, y), F.mse_loss(out, target)
+    model, opt = mixprec.initialize(_net(), torch.optim.SGD(_net().parameters(), lr=0.1), "O1",
+                                    dtype="fp16")  # fmt: skip
+    out = model(x)
+    losses = F.cross_entropy(out, y), F.mse_loss(out, target)  # the loss outside the model
+    assert out.dtype == FP32 and all(loss.dtype == FP32 for loss in losses)
+    assert all(torch.equal(a, b) for a, b in zip(losses, want, strict=True))
+    # torch 2.11's mse_loss backward failed on an fp16 input with an fp32 target.
+    with mixprec.scale_loss(losses[0] + losses[1], opt) as scaled:
+        scaled.backward()
+    assert all(p.grad is not None and p.grad.dtype == FP32 for p in model.parameters())
+    assert "cast_model_outputs     = fp32" in str(mixprec.describe("O1"))
+    # The caller can keep the outputs as computed (torch.autocast's region semantics).
+    kept = mixprec.initialize(_net(), opt_level="O1", dtype="fp16", cast_model_outputs=None)
+    assert kept(x).dtype == FP16
 
 
 def test_inference_and_lists():

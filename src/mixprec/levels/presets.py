@@ -89,14 +89,16 @@ PRESETS: dict[OptLevel, _Preset] = {
         "O1: mixed precision by op (autocast); fp32 weights.",
         "The model's forward runs under mixprec.autocast: matmuls and convolutions in the low "
         "dtype, precision-sensitive ops in fp32, following the op policy. Weights, gradients "
-        "and the optimizer stay fp32. fp16 needs dynamic loss scaling; bf16 does not. The "
+        "and the optimizer stay fp32. Outputs are returned in fp32, so a loss computed on "
+        "them outside the model runs in fp32 too (Apex's O1 ran its loss functions in fp32 "
+        "wherever they were called). fp16 needs dynamic loss scaling; bf16 does not. The "
         "safest level, and the one torch.amp offers.",
         None,
         True,
         None,
         False,
         "dynamic",
-        None,
+        "fp32",
     ),
     OptLevel.O2: _Preset(
         "O2: low-precision model with fp32 normalization layers and fp32 master weights.",
@@ -350,10 +352,14 @@ def resolve(
     max_ls = pick("max_loss_scale", APEX_MAX_LOSS_SCALE if loss_scale == "dynamic" else None,
                   "Apex's ceiling: a larger scale only risks more overflowing steps"
                   if loss_scale == "dynamic" else "a static scale does not grow")  # fmt: skip
-    # Apex casts outputs only where it casts the model (or where the caller asks).
-    uncast = overrides.get("cast_model_type", "low") in (None, False)
+    # Apex casts outputs where it casts the model (or where the caller asks); at O1, where it
+    # patched torch instead, a loss called on the outputs ran in fp32 wherever it was called:
+    # fp32 outputs give any loss computed outside the model's region the same.
+    uncast = preset.cast_model_type == "low" and overrides.get("cast_model_type") in (None, False)
+    uncast = uncast and "cast_model_type" in overrides
     outputs = pick("cast_model_outputs", None if uncast else preset.cast_model_outputs,
-                   "losses are computed in fp32 on the model's outputs"
+                   ("a loss computed outside the forward's autocast region runs in fp32"
+                    if patch else "losses are computed in fp32 on the model's outputs")
                    if preset.cast_model_outputs and not uncast
                    else "outputs stay in the dtype the model computed them in")  # fmt: skip
     num_losses = pick("num_losses", 1, "one loss, one scale")

@@ -40,6 +40,7 @@ from mixprec.distributed.topology import is_initialized
 from mixprec.errors import MixprecError, PolicyError, format_options
 from mixprec.levels.initialize import initialize, master_params, scale_loss
 from mixprec.levels.optimizer import AmpOptimizer
+from mixprec.levels.presets import OptLevel
 from mixprec.scaling.scaler import GradScaler
 from mixprec.step import graphs
 from mixprec.step.batch import BatchError, TrainStepError, batch_message, loss_from, trim
@@ -218,6 +219,10 @@ class TrainStep:
                     "model; this optimizer was initialized already (with its own settings)."
                 )
         else:
+            if "cast_model_outputs" not in overrides and OptLevel.parse(opt_level) is OptLevel.O1:
+                # The step runs the loss under the forward's region, as torch.amp's loop does:
+                # the outputs reach it as computed (O1's fp32 outputs serve a loss outside).
+                overrides = {**overrides, "cast_model_outputs": None}
             model, optimizer = initialize(model, optimizer, opt_level, dtype=dtype, **overrides)
         self._side: Any = None
         self._ddp_built = ddp_kwargs is not None
