@@ -172,6 +172,7 @@ def fsdp_level(rank: int, world: int, level: str, dynamic: bool, entry: str) -> 
     model[1].register_forward_hook(
         look("norm", lambda m, a, o: (a[0].dtype, m.weight.dtype, o.dtype))
     )
+    model.register_forward_hook(look("output", lambda m, a, o: o.dtype))  # after the level's
     inf_rank = world - 1 if dynamic else None
     scales = []
     for step in range(4):

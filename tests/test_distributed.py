@@ -100,6 +100,8 @@ def test_levels_under_fsdp2_match_one_process(pools, level, dynamic, entry):
     assert r0["scales"] == r1["scales"] == (skipped if dynamic else [1.0] * 4)
     assert r0["masters"] == 0 and r0["stepped_are_model_params"]
     seen = r0["seen"]
+    # O1 and O2 return fp32 outputs (a loss after the model runs in fp32), sharded either way.
+    assert seen["output"] == (LOW if level == "O3" else FP32)
     if level == "O2":  # gathered in bf16; norm layers as fp32 units; fp32 shards and gradients
         assert seen["linear"] == (LOW, LOW)
         assert seen["norm"] == (FP32, FP32, LOW)
