@@ -179,6 +179,22 @@ def test_bf16_o1_without_scaler_and_o3():
     assert _same([step(x, y) for x, y in batches], ref)
 
 
+def test_o1_gives_the_loss_the_outputs_as_computed_and_says_why():
+    # The loss runs under the forward's region, as in torch.amp's loop (the test above checks
+    # the values bit for bit), so O1's fp32 outputs, which serve a loss computed outside the
+    # model, are not applied; the printed options say why. A caller's choice wins.
+    model = _model()
+    step = uncompiled_step(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy,
+                           dtype="fp16")  # fmt: skip
+    x, _ = _batches(1)[0]
+    assert step.options.cast_model_outputs is None and model(x).dtype == torch.float16
+    assert "= None       (TrainStep runs the loss in the forward's region)" in str(step.options)
+    model = _model()
+    step = uncompiled_step(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy,
+                           dtype="fp16", cast_model_outputs="fp32")  # fmt: skip
+    assert model(x).dtype == torch.float32 and "(set by the caller)" in str(step.options)
+
+
 def test_compute_loss_and_lr_scheduler():
     batches = _batches(12, overflows={4})
 

@@ -231,6 +231,12 @@ class AmpOptions:
         """Whether a loss scaler runs at all (dynamic, or a static scale other than 1)."""
         return self.dynamic_loss_scale or float(self.loss_scale) != 1.0
 
+    def explained(self, name: str, reason: str) -> AmpOptions:
+        """A copy whose option `name` gives `reason` (for a value a caller such as TrainStep
+        chose on the user's behalf, so that printing it says why)."""
+        opts = tuple(replace(o, reason=reason) if o.name == name else o for o in self.options)
+        return replace(self, options=opts)
+
     def __str__(self) -> str:
         preset = PRESETS[self.level]
         why = f" ({self.device_reason})" if self.device_reason else ""
@@ -355,8 +361,8 @@ def resolve(
     # Apex casts outputs where it casts the model (or where the caller asks); at O1, where it
     # patched torch instead, a loss called on the outputs ran in fp32 wherever it was called:
     # fp32 outputs give any loss computed outside the model's region the same.
-    uncast = preset.cast_model_type == "low" and overrides.get("cast_model_type") in (None, False)
-    uncast = uncast and "cast_model_type" in overrides
+    caller_type = overrides.get("cast_model_type", "low")
+    uncast = preset.cast_model_type == "low" and caller_type in (None, False)
     outputs = pick("cast_model_outputs", None if uncast else preset.cast_model_outputs,
                    ("a loss computed outside the forward's autocast region runs in fp32"
                     if patch else "losses are computed in fp32 on the model's outputs")

@@ -219,11 +219,18 @@ class TrainStep:
                     "model; this optimizer was initialized already (with its own settings)."
                 )
         else:
-            if "cast_model_outputs" not in overrides and OptLevel.parse(opt_level) is OptLevel.O1:
-                # The step runs the loss under the forward's region, as torch.amp's loop does:
-                # the outputs reach it as computed (O1's fp32 outputs serve a loss outside).
+            # The step runs the loss under the forward's region, as torch.amp's loop does: at O1
+            # the outputs reach it as computed (O1's fp32 outputs serve a loss outside).
+            keep = (
+                "cast_model_outputs" not in overrides and OptLevel.parse(opt_level) is OptLevel.O1
+            )
+            if keep:
                 overrides = {**overrides, "cast_model_outputs": None}
             model, optimizer = initialize(model, optimizer, opt_level, dtype=dtype, **overrides)
+            if keep:
+                optimizer.options = optimizer.options.explained(
+                    "cast_model_outputs", "TrainStep runs the loss in the forward's region"
+                )
         self._side: Any = None
         self._ddp_built = ddp_kwargs is not None
         if ddp_kwargs is not None:
