@@ -169,7 +169,8 @@ def test_o1_returns_fp32_outputs_so_a_loss_outside_the_model_runs_in_fp32():
     with torch.autocast("cpu", dtype=FP16):
         out = ref(x)
         want = F.cross_entropy(out, y), F.mse_loss(out, target)
-    model, opt = mixprec.initialize(_net(), torch.optim.SGD(_net().parameters(), lr=0.1), "O1",
+    net = _net()
+    model, opt = mixprec.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1), "O1",
                                     dtype="fp16")  # fmt: skip
     out = model(x)
     losses = F.cross_entropy(out, y), F.mse_loss(out, target)  # the loss outside the model
@@ -178,7 +179,7 @@ def test_o1_returns_fp32_outputs_so_a_loss_outside_the_model_runs_in_fp32():
     # torch 2.11's mse_loss backward failed on an fp16 input with an fp32 target.
     with mixprec.scale_loss(losses[0] + losses[1], opt) as scaled:
         scaled.backward()
-    assert all(p.grad is not None and p.grad.dtype == FP32 for p in model.parameters())
+    assert all(p.grad.dtype == FP32 and p.grad.isfinite().all() for p in model.parameters())
     assert "cast_model_outputs     = fp32" in str(mixprec.describe("O1"))
     # The caller can keep the outputs as computed (torch.autocast's region semantics).
     kept = mixprec.initialize(_net(), opt_level="O1", dtype="fp16", cast_model_outputs=None)
@@ -309,7 +310,8 @@ def test_gradient_accumulation_happens_in_fp32_masters():
 
 
 def test_step_without_scale_loss_is_refused_when_scaling():
-    model, opt = mixprec.initialize(_net(), torch.optim.SGD(_net().parameters(), lr=0.1), "O1",
+    net = _net()
+    model, opt = mixprec.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1), "O1",
                                     dtype="fp16")  # fmt: skip
     model(torch.randn(2, 16)).float().sum().backward()
     with pytest.raises(mixprec.ScalerStateError, match="inside `with mixprec.scale_loss"):
