@@ -57,6 +57,8 @@ class Goal:
     """A promise, judged on one figure: ``figures[figure] <op> target``.
 
     `cuda_only` goals are claims about a GPU: on a CPU run the figure is shown, not judged.
+    A goal that `needs` a capability (``"fast-bf16"``: 16-bit matmuls at least as fast as
+    fp32's) is shown, not judged, on a machine that lacks it.
     """
 
     figure: str
@@ -64,9 +66,14 @@ class Goal:
     target: float
     text: str
     cuda_only: bool = True
+    needs: str = ""
 
-    def judge(self, figures: Figures | None, device: str, why_absent: str = "") -> dict:
-        """{'goal', 'figure', 'op', 'target', 'value', 'verdict', 'detail'}."""
+    def judge(self, figures: Figures | None, device: str, why_absent: str = "",
+              lacks: dict[str, str] | None = None) -> dict:  # fmt: skip
+        """{'goal', 'figure', 'op', 'target', 'value', 'verdict', 'detail'}.
+
+        `lacks`: the capabilities this machine lacks, each with the reason (how it was found).
+        """
         out = {"goal": self.text, "figure": self.figure, "op": self.op, "target": self.target,
                "value": None, "verdict": "NOT MEASURED", "detail": why_absent}  # fmt: skip
         if figures is None:
@@ -78,6 +85,9 @@ class Goal:
             return out
         if self.cuda_only and device != "cuda":
             out.update(verdict="NOT JUDGED", detail="a CPU run: the goal is a claim about a GPU")
+            return out
+        if self.needs and self.needs in (lacks or {}):
+            out.update(verdict="NOT JUDGED", detail=(lacks or {})[self.needs])
             return out
         out["verdict"] = "MET" if _OPS[self.op](value, self.target) else "MISSED"
         return out
@@ -223,7 +233,8 @@ def run_command(argv: Sequence[str], *, cwd: str, env: dict[str, str], log_path:
 
 
 def run_part(part: Part, ctx: Context, *, env: dict[str, str], timeout: float,
-             meta: dict[str, Any], launcher: Any = None) -> dict[str, Any]:  # fmt: skip
+             meta: dict[str, Any], launcher: Any = None,
+             lacks: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
     """Run one part; its record (status, figures, judged goals, the command and `meta`)."""
     os.makedirs(ctx.work, exist_ok=True)
     argv = part.command(ctx)
@@ -239,7 +250,7 @@ def run_part(part: Part, ctx: Context, *, env: dict[str, str], timeout: float,
                       reason=f"the suite was stopped ({why}) while this part ran")  # fmt: skip
         with open(log_path, errors="replace") as log:
             record["error_tail"] = tail(log.read())
-        finalize(part, record, None, ctx.device)
+        finalize(part, record, None, ctx.device, lacks)
         why.record = record
         raise
     record.update(ended=now(), duration_s=round(time.monotonic() - t0, 1), returncode=rc)
@@ -266,7 +277,7 @@ def run_part(part: Part, ctx: Context, *, env: dict[str, str], timeout: float,
     record["reason"] = "; ".join(reasons)[:2000]
     if record["status"] != "ok":
         record["error_tail"] = tail(output)
-    finalize(part, record, figures, ctx.device)
+    finalize(part, record, figures, ctx.device, lacks)
     return record
 
 
@@ -277,13 +288,14 @@ def new_record(part: Part, meta: dict[str, Any], *, status: str, reason: str = "
             "unmeasured": {}, "table": [], "goals": [], "error_tail": "", "raw": None}  # fmt: skip
 
 
-def finalize(part: Part, record: dict, figures: Figures | None, device: str) -> dict:
-    """Store the figures and judge the part's goals into `record`."""
+def finalize(part: Part, record: dict, figures: Figures | None, device: str,
+             lacks: dict[str, str] | None = None) -> dict:  # fmt: skip
+    """Store the figures and judge the part's goals into `record` (`lacks`: `Goal.judge`)."""
     if figures is not None:
         record.update(figures=figures.values, unmeasured=figures.unmeasured,
                       table=figures.table, raw=figures.raw)  # fmt: skip
     why = f"part {record['status']}" + (f": {record['reason']}" if record["reason"] else "")
-    record["goals"] = [g.judge(figures, device, why) for g in part.goals]
+    record["goals"] = [g.judge(figures, device, why, lacks) for g in part.goals]
     return record
 
 
@@ -300,14 +312,14 @@ def missing_module_reason(module: str, info: dict[str, Any]) -> str:
 def run_parts(parts: Sequence[Part], *, make_ctx: Callable[[Part], Context],
               env: dict[str, str], budget_s: float, started: float, meta: dict[str, Any],
               modules: dict[str, dict[str, Any]],
-              on_record: Callable[[dict[str, Any]], None],
-              launcher: Any = None) -> list[dict[str, Any]]:  # fmt: skip
+              on_record: Callable[[dict[str, Any]], None], launcher: Any = None,
+              lacks: dict[str, str] | None = None) -> list[dict[str, Any]]:  # fmt: skip
     """Run `parts` in priority order within `budget_s` (counted from `started`, monotonic).
 
     A part is skipped when a module it requires is missing (`modules`: the probe's answers)
     or when its estimate does not fit the budget left; otherwise it runs with its timeout cut
     to what is left (forked by `launcher` where it can: `run_command`). `on_record` sees each
-    record as soon as it exists.
+    record as soon as it exists. `lacks`: the capabilities the machine lacks (`Goal.judge`).
     """
     records = []
     for part in sorted(parts, key=lambda p: p.priority):
@@ -323,7 +335,7 @@ def run_parts(parts: Sequence[Part], *, make_ctx: Callable[[Part], Context],
                 reason=missing_module_reason(absent[0], modules[absent[0]]),
             )
             record["figures"] = {"missing_module": modules[absent[0]].get("missing")}
-            finalize(part, record, None, ctx.device)
+            finalize(part, record, None, ctx.device, lacks)
         elif left < max(estimate, 5.0):
             record = new_record(
                 part,
@@ -332,11 +344,12 @@ def run_parts(parts: Sequence[Part], *, make_ctx: Callable[[Part], Context],
                 reason=f"budget: {left:.0f} s left, this part needs about "
                 f"{estimate:.0f} s; run it in another call (--only {part.name})",
             )
-            finalize(part, record, None, ctx.device)
+            finalize(part, record, None, ctx.device, lacks)
         else:
             limit = min(part.smoke_timeout_s if ctx.smoke else part.timeout_s, left)
             try:
-                record = run_part(part, ctx, env=env, timeout=limit, meta=meta, launcher=launcher)
+                record = run_part(part, ctx, env=env, timeout=limit, meta=meta,
+                                  launcher=launcher, lacks=lacks)  # fmt: skip
             except Stopped as stop:
                 if stop.record is not None:
                     records.append(stop.record)

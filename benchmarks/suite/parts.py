@@ -240,7 +240,7 @@ PARTS: list[Part] = [
 ]  # fmt: skip
 
 
-def select(parts: list[Part], only: str | None) -> list[Part]:
+def select(parts: list[Part], only: str | None, prog: str = "gpu_suite") -> list[Part]:
     """The parts named by --only: full names, or the letter before the first '-' (``d``)."""
     if not only:
         return sorted(parts, key=lambda p: p.priority)
@@ -249,8 +249,9 @@ def select(parts: list[Part], only: str | None) -> list[Part]:
     for w in wanted:
         hits = [p for p in parts if p.name == w or p.name.split("-", 1)[0] == w]
         if not hits:
-            raise SystemExit(f"gpu_suite: error: --only {w!r} names no part. Valid: "
-                             f"{', '.join(p.name for p in parts)} (or a letter: "
-                             f"{', '.join(dict.fromkeys(p.name[0] for p in parts))}).")  # fmt: skip
+            letters = dict.fromkeys(p.name.split("-", 1)[0] for p in parts if "-" in p.name)
+            also = f" (or a letter: {', '.join(letters)})" if letters else ""
+            raise SystemExit(f"{prog}: error: --only {w!r} names no part. Valid: "
+                             f"{', '.join(p.name for p in parts)}{also}.")  # fmt: skip
         chosen += [p for p in hits if p not in chosen]
     return sorted(chosen, key=lambda p: p.priority)

@@ -72,16 +72,17 @@ def _calls(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
-def render_summary(doc: dict[str, Any], parts: Sequence[Part]) -> str:
+def render_summary(doc: dict[str, Any], parts: Sequence[Part], title: str = "GPU suite",
+                   smoke_note: str = "GPU goals are NOT JUDGED") -> str:  # fmt: skip
     """The markdown summary of a results document (one call's, or several merged)."""
     calls = doc["calls"]
     records = doc["parts"]
     smoke = any(c.get("mode") == "smoke" for c in calls)
     device = calls[-1].get("device_name", "?") if calls else "?"
-    lines = [f"# mixprec GPU suite: {device}", ""]
+    lines = [f"# mixprec {title}: {device}", ""]
     if smoke:
-        lines += ["**Smoke run: toy sizes on the CPU. The figures test the suite's machinery, "
-                  "not mixprec's claims; GPU goals are NOT JUDGED.**", ""]  # fmt: skip
+        lines += [f"**Smoke run: toy sizes on the CPU. The figures test the suite's machinery, "
+                  f"not mixprec's claims; {smoke_note}.**", ""]  # fmt: skip
     lines += _calls(doc)
     known = {p.name for p in parts}
     ordered = sorted(parts, key=lambda p: p.priority)
