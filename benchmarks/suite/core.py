@@ -1,4 +1,5 @@
-"""The machinery of ``gpu_suite.py``: parts, goals, one process per part, records, merging.
+"""The machinery of ``gpu_suite.py`` and ``cpu_goals.py``: parts, goals, one process per
+part, records, merging.
 
 Nothing here knows about mixprec: a `Part` is a command line plus a function that turns what
 the command wrote into `Figures`, and a list of `Goal`s judged on those figures. `run_parts`

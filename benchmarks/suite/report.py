@@ -1,7 +1,8 @@
 """The suite's outputs: the markdown summary, and the logs packed into one archive.
 
 The summary puts every goal of every registered part beside its figure with a verdict (MET,
-MISSED, NOT MEASURED with the reason, or NOT JUDGED on a CPU run), then the parts with their
+MISSED, NOT MEASURED with the reason, or NOT JUDGED: a GPU goal on a CPU run, or a goal that
+needs a capability the machine lacks), then the parts with their
 status and time, each part's figures, and for every part that did not finish ``ok`` its reason
 and the tail of its log.
 """
