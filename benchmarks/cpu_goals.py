@@ -65,6 +65,9 @@ def _timed(ctx: Context, argv: list[str], **env: str) -> list[str]:
 
 def _time_command(argv: list[str]) -> int:
     """``--time-to FILE [--set-env K=V ...] -- COMMAND...``: run COMMAND, write its seconds."""
+    if "--" not in argv or len(argv) < 4 or argv.index("--") == len(argv) - 1:
+        raise SystemExit("cpu_goals: error: --time-to needs FILE, then -- and a command "
+                         "(the parts' timing wrapper; run the script without it)")  # fmt: skip
     out, env, rest = argv[1], dict(os.environ), argv[2:]
     while rest[:1] == ["--set-env"]:
         key, _, value = rest[1].partition("=")
@@ -100,7 +103,7 @@ def extract_step(ctx: Context, log: str) -> Figures:
                 "warm-up s": r["build_and_warmup_s"],
                 "recompiles": r.get("graphs_compiled_after_warmup")}
                for (w, v), r in rows.items()]  # fmt: skip
-    ran = set(dict.fromkeys(w for w, _ in rows))
+    ran = list(dict.fromkeys(w for w, _ in rows))  # in cpu_step's order
     for workload in ("mlp", "resnet50", "gpt2"):
         if workload not in ran:
             why = f"{workload} was not run (cpu_step.py --workloads)"

@@ -131,6 +131,8 @@ def test_time_to_runs_the_command_with_its_environment_and_writes_seconds(tmp_pa
     rc = cg.main(["--time-to", str(out), "--set-env", "MIXPREC_X=3", "--",
                   sys.executable, "-c", code])  # fmt: skip
     assert rc == 3 and 0 < json.loads(out.read_text()) < 60
+    with pytest.raises(SystemExit, match="--time-to needs FILE, then -- and a command"):
+        cg.main(["--time-to", str(out)])
 
 
 def test_probe_says_why_a_cpu_lacks_fast_bf16(monkeypatch):
