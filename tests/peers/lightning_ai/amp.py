@@ -3,7 +3,6 @@ and Lightning's ``RunIf`` for the conditions they use."""
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any
 
@@ -45,15 +44,26 @@ def RunIf(min_cuda_gpus: int = 0, bf16_cuda: bool = False, skip_windows: bool = 
     return pytest.mark.skipif(bool(reasons), reason=f"Requires: [{' + '.join(reasons)}]")
 
 
-def spawn_cost() -> Any:
-    """The mark of a ddp_spawn run that CI leaves out.
+#: What the forkserver imports once, before it forks any process (see `spawn_strategy`).
+_PRELOAD = ["lightning.pytorch", "lightning.fabric", "mixprec", "mixprec.integrations.lightning"]
 
-    Each ddp_spawn launch starts two fresh interpreters that import torch and Lightning (about
-    10 s of CPU each on a 2-core runner). CI runs one launch per API at "16-mixed", which pickles
-    the plugin with its scaler and agrees on overflows across the two ranks; the "bf16-mixed"
-    launches add little to that and run with ``MIXPREC_PEER_SPAWN=all``.
+
+def spawn_strategy(api: str = "trainer") -> Any:
+    """Lightning's ``"ddp_spawn"`` for a CPU test, its processes forked from one forkserver.
+
+    ddp_spawn starts each process as a fresh interpreter that imports torch and Lightning (about
+    13 s of CPU on the 2-core runner), and a Trainer's fit, test and predict launch two each: 78 s
+    of imports in one test. Lightning's ``start_method="forkserver"`` takes the same road for what
+    these tests check (the plugin, its scaler and the model are pickled to every process, which
+    join one gloo group and agree on overflows), but forks each process from a server that
+    imported Lightning and mixprec once per test worker.
     """
-    return pytest.mark.skipif(
-        os.environ.get("MIXPREC_PEER_SPAWN") != "all",
-        reason="a second ddp_spawn launch (slow on a CPU); MIXPREC_PEER_SPAWN=all runs it",
-    )
+    import multiprocessing
+
+    if api == "trainer":
+        from lightning.pytorch.strategies import DDPStrategy
+    else:
+        from lightning.fabric.strategies import DDPStrategy
+    # Applies when the server starts (the first forkserver launch of this process).
+    multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+    return DDPStrategy(start_method="forkserver")

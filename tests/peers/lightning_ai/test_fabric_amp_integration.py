@@ -17,7 +17,8 @@
 # Lightning's plugin (Fabric(plugins=[...]) where the original passes precision=...). Changes:
 # on a CPU, "16-mixed" runs fp16 with mixprec (Lightning runs bf16 there); the model's input
 # stays fp32 (mixprec leaves inputs to the op policy; Fabric's plugin casts them); the scaler
-# is mixprec.GradScaler; the fused-optimizer parity test also runs on the CPU.
+# is mixprec.GradScaler; the fused-optimizer parity test also runs on the CPU; the CPU
+# "ddp_spawn" run forks from a forkserver that imported Lightning (amp.spawn_strategy).
 # docs/migration.md, "Running Lightning's AMP tests".
 """Integration tests for Automatic Mixed Precision (AMP) training."""
 
@@ -27,7 +28,7 @@ import torch.nn as nn
 from lightning.fabric import Fabric, seed_everything
 
 import mixprec
-from tests.peers.lightning_ai.amp import RunIf, fabric_plugin, spawn_cost
+from tests.peers.lightning_ai.amp import RunIf, fabric_plugin, spawn_strategy
 
 
 class MixedPrecisionModule(nn.Module):
@@ -65,7 +66,6 @@ class MixedPrecisionModule(nn.Module):
                 RunIf(skip_windows=True),
                 pytest.mark.slow,
                 pytest.mark.distributed,
-                spawn_cost(),
             ],
         ),
         pytest.param("cuda", "16-mixed", torch.float16, marks=RunIf(min_cuda_gpus=2)),
@@ -79,7 +79,7 @@ def test_amp(accelerator, precision, expected_dtype):
         accelerator=accelerator,
         plugins=[fabric_plugin(precision, accelerator)],
         devices=2,
-        strategy="ddp_spawn",
+        strategy=spawn_strategy("fabric") if accelerator == "cpu" else "ddp_spawn",
     )
     fabric.launch(_test_amp, expected_dtype)
 

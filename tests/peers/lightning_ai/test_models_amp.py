@@ -17,8 +17,9 @@
 # (plugins=[...] where the original passes precision=...). Changes: on a CPU, "16-mixed" runs
 # fp16 with mixprec (Lightning runs bf16 there); no @pytest.mark.flaky (pytest-rerunfailures is
 # not a dependency); the gloo-on-Windows xfail becomes a skip; the SLURM test's logger and
-# checkpoint callback are built directly (tests_pytorch.helpers.utils did it). docs/migration.md,
-# "Running Lightning's AMP tests".
+# checkpoint callback are built directly (tests_pytorch.helpers.utils did it); the CPU
+# "ddp_spawn" runs fork from a forkserver that imported Lightning (amp.spawn_strategy).
+# docs/migration.md, "Running Lightning's AMP tests".
 import os
 from unittest import mock
 
@@ -31,7 +32,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader
 
-from tests.peers.lightning_ai.amp import RunIf, spawn_cost, trainer_plugin
+from tests.peers.lightning_ai.amp import RunIf, spawn_strategy, trainer_plugin
 
 
 class AMPTestModel(BoringModel):
@@ -75,7 +76,6 @@ class AMPTestModel(BoringModel):
                 RunIf(skip_windows=True),
                 pytest.mark.slow,
                 pytest.mark.distributed,
-                spawn_cost(),
             ],
         ),
     ],
@@ -86,7 +86,7 @@ def test_amp_cpus(tmp_path, strategy, precision, devices):
         default_root_dir=tmp_path,
         accelerator="cpu",
         devices=devices,
-        strategy=strategy,
+        strategy=spawn_strategy() if strategy == "ddp_spawn" else strategy,
         plugins=[trainer_plugin(precision, "cpu")],
         max_epochs=1,
         limit_train_batches=1,
