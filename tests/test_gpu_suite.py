@@ -223,7 +223,9 @@ def preloaded():
     covers torch's preload)."""
     from suite.launch import Preloaded
 
-    return Preloaded(env.part_env(str(ROOT), [], smoke=True), preload=("json",))
+    launcher = Preloaded(env.part_env(str(ROOT), [], smoke=True), preload=("json",))
+    yield launcher
+    launcher.close()  # this worker's later forkserver users start their own
 
 
 @pytest.fixture(params=["fresh", "forked"])

@@ -123,6 +123,13 @@ class Preloaded:
         why = f"timed out after {timeout:.0f} s" if timed_out else f"exit status {rc}"
         return f"a forked canary failed ({why}): {last[0][:300]}"
 
+    def close(self) -> None:
+        """Stop the server. A process has one forkserver, whose preload applies when it starts:
+        stopping it lets later users in this process (a test run) start one with theirs."""
+        stop = getattr(forkserver._forkserver, "_stop", None)  # CPython's, since 3.8
+        if stop is not None:
+            stop()
+
     @staticmethod
     def handles(argv: Sequence[str]) -> bool:
         """Whether `argv` is this interpreter running a script or a module."""

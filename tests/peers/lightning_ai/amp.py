@@ -46,6 +46,7 @@ def RunIf(min_cuda_gpus: int = 0, bf16_cuda: bool = False, skip_windows: bool = 
 
 #: What the forkserver imports once, before it forks any process (see `spawn_strategy`).
 _PRELOAD = ["lightning.pytorch", "lightning.fabric", "mixprec", "mixprec.integrations.lightning"]
+_server_pid: list[int] = []  # the pid of the forkserver `spawn_strategy` started, if any
 
 
 def spawn_strategy(api: str = "trainer") -> Any:
@@ -58,12 +59,21 @@ def spawn_strategy(api: str = "trainer") -> Any:
     join one gloo group and agree on overflows), but forks each process from a server that
     imported Lightning and mixprec once per test worker.
     """
-    import multiprocessing
+    from multiprocessing import forkserver
 
     if api == "trainer":
         from lightning.pytorch.strategies import DDPStrategy
     else:
         from lightning.fabric.strategies import DDPStrategy
-    # Applies when the server starts (the first forkserver launch of this process).
-    multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+    # A process has one forkserver, and its preload applies when it starts: one that another
+    # test of this worker started (the GPU suite's tests start one that preloads json only)
+    # would make every process import Lightning afresh, as slowly as ddp_spawn.
+    server = forkserver._forkserver
+    running = getattr(server, "_forkserver_pid", None)
+    if running is None or _server_pid != [running]:
+        if running is not None:
+            server._stop()
+        server.set_forkserver_preload(_PRELOAD)
+        server.ensure_running()
+        _server_pid[:] = [server._forkserver_pid]
     return DDPStrategy(start_method="forkserver")
