@@ -2,7 +2,8 @@
 
 Starting a process that imports torch and joins a group costs seconds; running each scenario in
 fresh processes would make the distributed tests minutes long. A pool starts `world` processes
-once (spawned, as torch.multiprocessing recommends), joins them in a gloo group, and runs
+once (forked from the test process's forkserver, `tests.fork_server`, which imported torch,
+mixprec and the scenario modules once), joins them in a gloo group, and runs
 scenario functions on every rank: ``pool.run(fn, *args)`` calls ``fn(rank, world, *args)`` in
 each process and returns the per-rank results, or raises with the failing ranks' tracebacks.
 Scenario functions must live in an importable module (tests/dist_scenarios.py).
@@ -16,10 +17,10 @@ import os
 import queue
 import socket
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch.multiprocessing as mp
+from tests.fork_server import context
 
 __all__ = ["RankError", "RankPool"]
 
@@ -61,8 +62,9 @@ def _serve(rank: int, world: int, port: int, tasks: Any, results: Any) -> None:
 class RankPool:
     """`world` processes in a gloo group, running scenario functions on every rank."""
 
-    def __init__(self, world: int, timeout: float = 240.0) -> None:
-        ctx = mp.get_context("spawn")
+    def __init__(self, world: int, timeout: float = 240.0, preload: Sequence[str] = ()) -> None:
+        """`preload`: modules the scenarios need (imported once in the forkserver)."""
+        ctx = context(*preload)
         self.world = world
         self.timeout = timeout
         self._tasks = [ctx.Queue() for _ in range(world)]

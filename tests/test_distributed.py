@@ -45,7 +45,7 @@ def pools():
 
     def get(world: int) -> RankPool:
         if world not in started:
-            started[world] = RankPool(world)
+            started[world] = RankPool(world, preload=(S.__name__, S8.__name__))
         return started[world]
 
     yield get

@@ -35,7 +35,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def pool():
-    ranks = RankPool(2)
+    ranks = RankPool(2, preload=("lightning.pytorch", S.__name__))
     yield ranks
     ranks.close()
 

@@ -10,9 +10,9 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import mixprec
+from tests.fork_server import context
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
@@ -64,7 +64,7 @@ def _worker(rank: int, world: int, port: int, results: dict, per_loss: bool) -> 
 
 @pytest.mark.parametrize("per_loss", [False, True], ids=["one-scale", "per-loss"])
 def test_all_ranks_skip_together(per_loss):
-    ctx = mp.get_context("spawn")
+    ctx = context(__name__)  # forked from a server that imported torch, mixprec and this module
     with ctx.Manager() as manager:
         out = manager.dict()
         port = _free_port()

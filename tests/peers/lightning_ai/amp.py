@@ -12,6 +12,7 @@ import torch
 pytest.importorskip("lightning")
 
 from mixprec.integrations.lightning import MixprecFabricPrecision, MixprecPrecision
+from tests.fork_server import context
 
 #: Lightning's precision strings -> mixprec's opt level and dtype. O1 is autocast plus loss
 #: scaling in fp16, which is what Lightning's "16-mixed" and "bf16-mixed" do. Lightning turns
@@ -44,11 +45,6 @@ def RunIf(min_cuda_gpus: int = 0, bf16_cuda: bool = False, skip_windows: bool = 
     return pytest.mark.skipif(bool(reasons), reason=f"Requires: [{' + '.join(reasons)}]")
 
 
-#: What the forkserver imports once, before it forks any process (see `spawn_strategy`).
-_PRELOAD = ["lightning.pytorch", "lightning.fabric", "mixprec", "mixprec.integrations.lightning"]
-_server_pid: list[int] = []  # the pid of the forkserver `spawn_strategy` started, if any
-
-
 def spawn_strategy(api: str = "trainer") -> Any:
     """Lightning's ``"ddp_spawn"`` for a CPU test, its processes forked from one forkserver.
 
@@ -57,23 +53,12 @@ def spawn_strategy(api: str = "trainer") -> Any:
     of imports in one test. Lightning's ``start_method="forkserver"`` takes the same road for what
     these tests check (the plugin, its scaler and the model are pickled to every process, which
     join one gloo group and agree on overflows), but forks each process from a server that
-    imported Lightning and mixprec once per test worker.
+    imported Lightning and mixprec once per test worker (`tests.fork_server`).
     """
-    from multiprocessing import forkserver
-
     if api == "trainer":
         from lightning.pytorch.strategies import DDPStrategy
     else:
         from lightning.fabric.strategies import DDPStrategy
-    # A process has one forkserver, and its preload applies when it starts: one that another
-    # test of this worker started (the GPU suite's tests start one that preloads json only)
-    # would make every process import Lightning afresh, as slowly as ddp_spawn.
-    server = forkserver._forkserver
-    running = getattr(server, "_forkserver_pid", None)
-    if running is None or _server_pid != [running]:
-        if running is not None:
-            server._stop()
-        server.set_forkserver_preload(_PRELOAD)
-        server.ensure_running()
-        _server_pid[:] = [server._forkserver_pid]
+    # Lightning starts its processes from the process's one forkserver: have it preload these.
+    context("lightning.pytorch", "lightning.fabric", "mixprec.integrations.lightning")
     return DDPStrategy(start_method="forkserver")
