@@ -23,19 +23,18 @@ __all__ = ["context"]
 #: What every server imports: the distributed tests' processes all need these.
 BASE = ("torch", "torch.distributed", "mixprec")
 
-_ours: dict[str, object] = {"pid": None, "modules": frozenset()}
+_ours: dict = {"pid": None, "modules": frozenset()}
 
 
 def context(*modules: str) -> multiprocessing.context.BaseContext:
     """The ``"forkserver"`` multiprocessing context, its server preloaded with `BASE` and
     `modules` (importable module names; their children come forked with them imported)."""
     server = forkserver._forkserver
-    wanted = frozenset(BASE) | frozenset(modules)
+    wanted = frozenset(BASE) | frozenset(modules) | _ours["modules"]
     running = getattr(server, "_forkserver_pid", None)
-    if running is None or running != _ours["pid"] or not wanted <= _ours["modules"]:
+    if running is None or running != _ours["pid"] or wanted != _ours["modules"]:
         if running is not None:
             server._stop()
-        wanted |= _ours["modules"] if running == _ours["pid"] else frozenset()
         server.set_forkserver_preload(sorted(wanted))
         server.ensure_running()
         _ours.update(pid=server._forkserver_pid, modules=wanted)
