@@ -136,11 +136,10 @@ class CharGPT(nn.Module):
 
 
 def _digits():
-    from sklearn.datasets import load_digits
+    from mixprec.bench.data import digits_arrays  # scikit-learn's digits, read from its file
 
-    d = load_digits()
-    x = torch.tensor(d.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(d.target, dtype=torch.long)
+    pixels, y = digits_arrays()
+    x = pixels / 16.0
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
     x, y = (x - x.mean(0)) / (x.std(0) + 1e-3), y
     x, y = x[perm], y[perm]

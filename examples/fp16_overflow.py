@@ -63,11 +63,10 @@ def make_model(fn=rms_norm) -> nn.Sequential:
 
 def digits():
     """The digits as raw 8-bit intensities; a fixed train/test split."""
-    from sklearn.datasets import load_digits
+    from mixprec.bench.data import digits_arrays  # scikit-learn's digits, read from its file
 
-    d = load_digits()
-    x = torch.tensor(d.data, dtype=torch.float32) * (255 / 16)
-    y = torch.tensor(d.target)
+    pixels, y = digits_arrays()
+    x = pixels * (255 / 16)
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(SEED))
     x, y = x[order], y[order]
     return x[:1437], y[:1437], x[1437:], y[1437:]

@@ -123,6 +123,21 @@ def test_tiny_train_writes_png_and_json(tiny_train):
     assert "B/param" in out.stdout
 
 
+def test_digits_are_scikit_learns_without_importing_it(monkeypatch):
+    sklearn_datasets = pytest.importorskip("sklearn.datasets")
+    reference = sklearn_datasets.load_digits()
+    # Read from the bundled file: load_digits (and the 3 s import behind it) is never called.
+    monkeypatch.setattr(sklearn_datasets, "load_digits", lambda *a, **k: pytest.fail("called"))
+    pixels, labels = datasets.digits_arrays()
+    assert torch.equal(pixels, torch.tensor(reference.data, dtype=torch.float32))
+    assert torch.equal(labels, torch.tensor(reference.target, dtype=torch.long))
+    # Without scikit-learn: the error says what to install, or which data set needs nothing.
+    monkeypatch.setitem(sys.modules, "sklearn", None)
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
+    with pytest.raises(datasets.DataError, match=r"scikit-learn: pip .*--data synthetic"):
+        datasets.digits_arrays()
+
+
 def test_cifar10_loader_reads_the_python_pickle_format(tmp_path):
     np = pytest.importorskip("numpy")
     rng = np.random.default_rng(0)
