@@ -227,7 +227,11 @@ def main(argv: list[str] | None = None) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    torch.multiprocessing.spawn(_worker, args=(nproc, port, args), nprocs=nproc)
+    # The ranks fork from one server process that imported this script (torch and mixprec with
+    # it) once: spawn started each rank as a fresh interpreter that imported them again. The
+    # server makes no CUDA context, so each rank starts as clean as a spawned one.
+    torch.multiprocessing.start_processes(_worker, args=(nproc, port, args), nprocs=nproc,
+                                          start_method="forkserver")  # fmt: skip
 
 
 if __name__ == "__main__":
