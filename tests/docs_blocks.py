@@ -18,6 +18,10 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("cpu", "cuda", "distributed", "skip")
@@ -179,7 +183,7 @@ def _run_distributed(path: Path) -> None:
             dist.destroy_process_group()
 
 
-def _agent_store():  # -> TCPStore | None
+def _agent_store() -> TCPStore | None:
     """A client of torchrun's store, or None outside torchrun (a world of one)."""
     import os
     from datetime import timedelta
@@ -192,13 +196,15 @@ def _agent_store():  # -> TCPStore | None
                     timeout=timedelta(seconds=120))  # fmt: skip
 
 
-def _fresh_rendezvous(agent, key: str, leader: bool) -> None:
+def _fresh_rendezvous(agent: TCPStore, key: str, leader: bool) -> None:
     """Point this page's ``init_process_group`` at a store of its own, hosted by rank 0.
 
     torchrun's store outlives a destroyed process group, and a group made again in the same
     processes rendezvouses under the same keys: a rank could read its peer's address from the
-    previous page's group and connect to a closed socket (gloo: "Connection reset by peer", seen
-    one run in two). Rank 0 picks a free port and tells the others through torchrun's store.
+    previous page's group and connect to a closed socket (gloo: "Connection reset by peer", in 2
+    runs of 3). Rank 0 picks a free port (closed again before its store binds it: another
+    process could take it in between, a failure that names the port) and tells the others
+    through torchrun's store.
     """
     import os
     import socket
