@@ -255,8 +255,10 @@ def test_failures_are_recorded_and_the_next_part_still_runs(tmp_path, launcher):
     write = "import json; json.dump(0.5, open(OUT, 'w'))"
     parts = [
         _part("x-crash", 1, "import sys; print('boom before the crash'); sys.exit(3)"),
-        _part("x-hang", 2, hang, timeout_s=3),
-        _part("x-partial", 2, write + "; import time; time.sleep(120)", timeout_s=3),
+        # Short timeouts (the parts start in well under a second: no torch import), which
+        # these tests spend waiting, idle, twice each.
+        _part("x-hang", 2, hang, timeout_s=2),
+        _part("x-partial", 2, write + "; import time; time.sleep(120)", timeout_s=1),
         _part("x-unreadable", 3, "print('no output file')"),
         _part("x-missing", 4, write, requires=("mixprec_no_such_module",)),
         _part("x-ok", 5, write),
@@ -274,7 +276,7 @@ def test_failures_are_recorded_and_the_next_part_still_runs(tmp_path, launcher):
     by = {r["part"]: r for r in records}
     assert by["x-crash"]["status"] == "failed" and by["x-crash"]["reason"] == "exit status 3"
     assert "boom before the crash" in by["x-crash"]["error_tail"]
-    assert by["x-hang"]["status"] == "timeout" and "timeout of 3 s" in by["x-hang"]["reason"]
+    assert by["x-hang"]["status"] == "timeout" and "timeout of 2 s" in by["x-hang"]["reason"]
     assert "hanging" in by["x-hang"]["error_tail"] and by["x-hang"]["figures"] == {}
     partial = by["x-partial"]  # killed too, but it had written its figures: they are kept
     assert partial["status"] == "timeout" and partial["figures"] == {"value": 0.5}
