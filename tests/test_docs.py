@@ -31,7 +31,6 @@ silently stops being run.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import inspect
 import json
@@ -118,12 +117,16 @@ def torchrun_outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, lis
         mp.setenv("OMP_NUM_THREADS", "1")
         mp.chdir(work)
         # A worker that fails raises here; its report says where, and each page's test why.
-        with contextlib.suppress(Exception):
+        launch_error = ""
+        try:
             torchrun.run(torchrun.parse_args(args))
+        except Exception as exc:
+            launch_error = f"{type(exc).__name__}: {exc}"
     outcomes: dict[str, list[str]] = {f: [] for f in files}
     for rank_file in sorted(report.glob("rank*.json")):
         for f, outcome in json.loads(rank_file.read_text()).items():
             outcomes[f].append(f"{rank_file.stem}: {outcome}")
+    outcomes[""] = [launch_error]  # the launch's own error, for a page no rank reported on
     return outcomes
 
 
@@ -135,10 +138,11 @@ def test_distributed_blocks_under_torchrun(path: Path, torchrun_outcomes: dict) 
     assert not failed, "\n".join(failed)
     if len(outcomes) < 2:  # an earlier page failed first, or a worker died without a report
         earlier = [Path(f).relative_to(ROOT).as_posix() for f, o in torchrun_outcomes.items()
-                   if any(not x.endswith(": ok") for x in o)]  # fmt: skip
+                   if f and any(not x.endswith(": ok") for x in o)]  # fmt: skip
         pytest.fail(
             f"ran on {len(outcomes)} of 2 ranks: the launch stopped at the first failing "
-            f"page ({', '.join(earlier) or 'none reported'}: its own test says why)"
+            f"page ({', '.join(earlier) or 'none reported'}: its own test says why); "
+            f"torchrun: {torchrun_outcomes[''][0] or 'no error'}"
         )
 
 
