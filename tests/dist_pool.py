@@ -22,14 +22,15 @@ from typing import Any
 
 from tests.fork_server import context
 
-__all__ = ["RankError", "RankPool"]
+__all__ = ["RankError", "RankPool", "free_port"]
 
 
 class RankError(AssertionError):
     """A scenario failed on at least one rank (the message has the tracebacks)."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free now (a rendezvous binds it next)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -69,7 +70,7 @@ class RankPool:
         self.timeout = timeout
         self._tasks = [ctx.Queue() for _ in range(world)]
         self._results = ctx.Queue()
-        port = _free_port()
+        port = free_port()
         self._procs = [
             ctx.Process(
                 target=_serve, args=(r, world, port, self._tasks[r], self._results), daemon=True

@@ -5,22 +5,16 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import mixprec
+from tests.dist_pool import free_port
 from tests.fork_server import context
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, results: dict, per_loss: bool) -> None:
@@ -67,7 +61,7 @@ def test_all_ranks_skip_together(per_loss):
     ctx = context(__name__)  # forked from a server that imported torch, mixprec and this module
     with ctx.Manager() as manager:
         out = manager.dict()
-        port = _free_port()
+        port = free_port()
         procs = [ctx.Process(target=_worker, args=(r, 2, port, out, per_loss)) for r in range(2)]
         for p in procs:
             p.start()
