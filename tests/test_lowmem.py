@@ -16,7 +16,14 @@ import torch.nn.functional as F
 
 import mixprec
 from mixprec.optim import LowMemAdam, LowMemAdamW, LowMemSGD, codes, converted, memory_report
-from mixprec.optim.rounding import hash_bits, join_master, kahan_add, split_master, stochastic_round
+from mixprec.optim.rounding import (
+    counter_stream,
+    hash_bits,
+    join_master,
+    kahan_add,
+    split_master,
+    stochastic_round,
+)
 
 FAST = {"backend": "aot_eager", "kernels": "native"}
 
@@ -196,15 +203,20 @@ def test_counter_hash_is_murmur3s_finalizer_over_a_weyl_sequence_bit_for_bit(key
 
 def test_stochastic_rounding_is_unbiased_and_picks_a_neighbour():
     x = torch.full((20000,), 1.0 + 2**-10, dtype=torch.float32)  # a quarter-ulp above 1.0
-    r = stochastic_round(x, torch.tensor(3), torch.tensor(1.0)).float()
+    stream = counter_stream(torch.tensor(3), torch.tensor(1.0))
+    r = stochastic_round(x, stream).float()
     assert set(r.unique().tolist()) <= {1.0, 1.0 + 2**-7}
     assert abs(r.double().mean().item() - (1.0 + 2**-10)) < 2e-4  # E[r] = x
     # Negative values: symmetric in magnitude.
-    rn = stochastic_round(-x, torch.tensor(3), torch.tensor(1.0)).float()
+    rn = stochastic_round(-x, stream).float()
     assert torch.equal(rn, -r)
+    # A part of the tensor, from its offset, rounds as it does in the whole (the planes of a
+    # compiled update share one stream).
+    assert torch.equal(stochastic_round(x[5000:7000], stream, 5000).float(), r[5000:7000])
     # Exactly representable values never move; infinities stay.
     exact = torch.tensor([1.0, -2.5, 0.0, float("inf"), -float("inf")])
-    assert torch.equal(stochastic_round(exact, torch.tensor(9), torch.tensor(4.0)).float(), exact)
+    stream = counter_stream(torch.tensor(9), torch.tensor(4.0))
+    assert torch.equal(stochastic_round(exact, stream).float(), exact)
 
 
 def test_small_updates_accumulate_with_stochastic_and_kahan_and_vanish_with_nearest():
@@ -216,7 +228,7 @@ def test_small_updates_accumulate_with_stochastic_and_kahan_and_vanish_with_near
     key = torch.tensor(1)
     for i in range(2000):
         step = torch.tensor(float(i + 1))
-        w_sr = stochastic_round(w_sr.float() + 1e-4, key, step)
+        w_sr = stochastic_round(w_sr.float() + 1e-4, counter_stream(key, step))
         w_k, comp = kahan_add(w_k, torch.full((4096,), 1e-4), comp)
         w_n = (w_n.float() + 1e-4).bfloat16()
         w_s, rest = split_master(join_master(w_s, rest) + 1e-4)

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["computed_once", "hash_bits", "join_master", "kahan_add", "mix_seed", "split_master",
-           "stochastic_round"]  # fmt: skip
+__all__ = ["computed_once", "counter_stream", "hash_bits", "join_master", "kahan_add", "mix_seed",
+           "split_master", "stochastic_round"]  # fmt: skip
 
 _M32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9  # the Weyl increment (2^32 / golden ratio, odd)
@@ -60,7 +60,7 @@ def _fmix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def computed_once(t: torch.Tensor) -> torch.Tensor:
-    """0-dim `t`, computed once per step when compiled instead of inside each element's loop.
+    """0-dim (or tiny) `t`, computed once per step when compiled, not inside each element's loop.
 
     Inductor inlines a 0-dim expression into the loops that read it, where a bias correction's
     libm ``pow`` then runs once per vector (0.8 ms per 262,144 elements on an AVX2 CPU,
@@ -101,31 +101,43 @@ def hash_bits(
     memory: a few int32 tensors of `numel` elements when run eagerly; none when compiled
     (inductor fuses the chain).
     """
+    return _element_bits(counter_stream(key, counter), numel, offset)
+
+
+def counter_stream(key: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """The 0-dim int32 from which step `counter`'s bits for `key` are drawn (`hash_bits`,
+    `stochastic_round`)."""
     low = key.to(torch.int64) & _M32
     count = counter.to(torch.int64) & _M32
-    # The per-step part is 0-dim: exact in int64, then the bits as int32.
-    step = computed_once(_fmix32(_to_int32(low ^ _mul32(count, _GOLDEN))))
+    # 0-dim: exact in int64, then the bits as int32.
+    return computed_once(_fmix32(_to_int32(low ^ _mul32(count, _GOLDEN))))
+
+
+def _element_bits(step: torch.Tensor, numel: int, offset: int) -> torch.Tensor:
+    """`hash_bits` from the per-step part `step` (`counter_stream`)."""
+    device = step.device
     if offset + numel <= 2**31:
-        index = torch.arange(offset, offset + numel, device=key.device, dtype=torch.int32)
+        index = torch.arange(offset, offset + numel, device=device, dtype=torch.int32)
     else:  # the index modulo 2^32, as int32 bits
-        index = torch.arange(offset, offset + numel, device=key.device, dtype=torch.int64)
+        index = torch.arange(offset, offset + numel, device=device, dtype=torch.int64)
         index = _to_int32(index & _M32)
     return _fmix32(index * _signed(_GOLDEN) + step)
 
 
-def stochastic_round(
-    x: torch.Tensor, key: torch.Tensor, counter: torch.Tensor, offset: int = 0
-) -> torch.Tensor:
+def stochastic_round(x: torch.Tensor, stream: torch.Tensor, offset: int = 0) -> torch.Tensor:
     """fp32 `x` rounded to bf16 stochastically: up with probability of the dropped fraction.
 
-    `x` holds elements ``offset ...`` of its tensor (the counter hash's element indices).
+    The random bits are ``hash_bits(key, counter, x.numel(), offset)`` with `stream` =
+    ``counter_stream(key, counter)``: `x` holds elements ``offset ...`` of its tensor. One
+    stream serves all the parts of a tensor (the planes of a compiled 8-bit update), so a
+    compiled step computes it once per tensor.
 
     Adds 16 random bits to the bit pattern below bf16's cut and truncates; the sign is apart
     from the magnitude bits, so negative values round away from zero with the same rule.
     Infinities and NaNs stay as they are.
     """
     bits = x.contiguous().view(torch.int32)
-    noise = _srl(hash_bits(key, counter, x.numel(), offset).view(x.shape), 16)
+    noise = _srl(_element_bits(stream, x.numel(), offset).view(x.shape), 16)
     # No int32 overflow: a finite pattern plus 16 bits stays below the NaN patterns.
     rounded = torch.where(torch.isfinite(x), bits + noise, bits) & -65536
     return rounded.view(torch.float32).to(torch.bfloat16)
