@@ -209,15 +209,37 @@ def _report(records: list[dict], failed: list[str], args: argparse.Namespace) ->
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--nproc", type=int, default=None, help="ranks (default: every GPU)")
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument(
+        "--nproc", type=int, default=None, help="ranks (default: every GPU; 2 with --device cpu)"
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=40,
+        help=f"training steps of each run (O1 and O2, captured and eager), at least "
+        f"{INF_STEP + 3}: the last rank's batch of step {INF_STEP} (from 0) holds an inf; "
+        "ms/step is the median after warm-up (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--width",
+        type=int,
+        default=1024,
+        help="features of the input and of the MLP's hidden layers; 10 classes out "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--batch", type=int, default=64, help="samples per rank per step (default: %(default)s)"
+    )
     parser.add_argument("--device", choices=("cuda", "cpu"),
                         default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cuda (NCCL, captured; the default with a GPU) or cpu (gloo, "
                         "eager, toy sizes)")  # fmt: skip
-    parser.add_argument("--json", metavar="PATH")
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        help="write one record per level and rank (ms/step eager and captured, first captured "
+        "call, agreement, failed checks) as a JSON list",
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a GPU; use --device cpu for the eager gloo run")

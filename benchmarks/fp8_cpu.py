@@ -233,11 +233,41 @@ def bench_outlier() -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
-    parser.add_argument("--rounds", type=int, default=31)
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--depth", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=31,
+        help="interleaved timing rounds per measurement; the best round is reported "
+        "(default: %(default)s; 2 with --smoke)",
+    )
+    parser.add_argument(
+        "--width",
+        type=int,
+        default=256,
+        help="hidden width of the step part's MLP; also sizes the gemm shapes, the kernels' "
+        "tensor and the accumulation layer (default: %(default)s; 32 with --smoke)",
+    )
+    parser.add_argument(
+        "--depth",
+        type=int,
+        default=4,
+        help="Linear(width, width) layers of the step part's MLP (default: %(default)s; "
+        "2 with --smoke)",
+    )
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=256,
+        help="rows per batch of the step part; also sizes the gemm shapes, the kernels' tensor "
+        "and the accumulation micro-batches (batch/16 rows) (default: %(default)s; "
+        "16 with --smoke)",
+    )
+    parser.add_argument(
+        "--json",
+        default=None,
+        metavar="PATH",
+        help="write every part's results, the run's metadata and the summary as JSON",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, 2 rounds")
     args = parser.parse_args(argv)
     if args.threads:

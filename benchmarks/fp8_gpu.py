@@ -56,7 +56,7 @@ from mixprec._compat import scaled_mm_available
 from mixprec.bench.data import token_stream
 from mixprec.bench.models import GPT, GPTConfig
 from mixprec.bench.report import metadata
-from mixprec.fp8 import Fp8Linear, Fp8Recipe
+from mixprec.fp8 import RECIPES, Fp8Linear, Fp8Recipe
 
 GOAL_GEMM, GOAL_STEP = 1.3, 1.15
 MEDIUM = GPTConfig(n_layer=24, n_head=16, n_embd=1024)
@@ -274,18 +274,74 @@ def goals(gemm: list[dict], step: list[dict], loss: list[dict]) -> dict[str, Any
     return out
 
 
+#: The parts `--parts` selects, in the order they run.
+PARTS = ("gemm", "step", "loss")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parts", default="gemm,step,loss")
-    parser.add_argument("--recipes", default="tensorwise,delayed,rowwise")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--level", default="O2", choices=["O1", "O2"])
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--loss-steps", type=int, default=300)
-    parser.add_argument("--loss-seeds", type=int, default=2)
-    parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--parts",
+        default=",".join(PARTS),
+        help=f"comma-separated parts to run, from: {', '.join(PARTS)} (default: all)",
+    )
+    parser.add_argument(
+        "--recipes",
+        default="tensorwise,delayed,rowwise",
+        help=f"comma-separated FP8 recipes of every part, from: {', '.join(RECIPES)} "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="auto: cuda where available, else cpu (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--level",
+        default="O2",
+        choices=["O1", "O2"],
+        help="opt level of the TrainSteps of the step and loss parts (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=8,
+        help="sequences of 1024 tokens per batch: the step and loss parts' batch, and "
+        "batch x 1024 rows in the gemm part (default: %(default)s; ignored with --smoke)",
+    )
+    parser.add_argument(
+        "--iters",
+        type=int,
+        default=20,
+        help="calls launched back to back per timing round; the step part uses half "
+        "(default: %(default)s; ignored with --smoke)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="timing rounds; the median is reported (default: %(default)s; ignored with --smoke)",
+    )
+    parser.add_argument(
+        "--loss-steps",
+        type=int,
+        default=300,
+        help="GPT-2 small training steps per run of the loss part (default: %(default)s; "
+        "ignored with --smoke)",
+    )
+    parser.add_argument(
+        "--loss-seeds",
+        type=int,
+        default=2,
+        help="seeds per variant in the loss part (default: %(default)s; ignored with --smoke)",
+    )
+    parser.add_argument(
+        "--json",
+        default=None,
+        metavar="PATH",
+        help="write the run's metadata, the rows of every part and the goals as JSON",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, any device")
     args = parser.parse_args(argv)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available()
@@ -294,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in recipes:
         Fp8Recipe.named(r)
     parts = set(args.parts.split(","))
+    if parts - set(PARTS):
+        parser.error(f"--parts: unknown {', '.join(sorted(parts - set(PARTS)))}; valid: "
+                     f"{', '.join(PARTS)}")  # fmt: skip
     if args.smoke:
         tiny = GPTConfig.tiny()
         configs = {"gpt2-small": tiny, "gpt2-medium": GPTConfig(512, 64, 2, 4, 128)}

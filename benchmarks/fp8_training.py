@@ -40,6 +40,7 @@ import mixprec
 from mixprec.bench.data import token_stream
 from mixprec.bench.models import GPT, GPTConfig, seed_mlp
 from mixprec.bench.report import metadata
+from mixprec.fp8 import RECIPES
 
 TAIL = 20  # steps averaged into a run's final loss
 
@@ -139,10 +140,33 @@ def render(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tasks", default="mlp,gpt")
-    parser.add_argument("--recipes", default="tensorwise,delayed,true-delayed,rowwise")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument(
+        "--tasks",
+        default="mlp,gpt",
+        help=f"comma-separated tasks, from: {', '.join(TASKS)} (mlp: the seed MLP on a "
+        "regression teacher; gpt: GPTConfig.tiny() on a Markov-chain token stream; "
+        "default: %(default)s)",
+    )
+    parser.add_argument(
+        "--recipes",
+        default="tensorwise,delayed,true-delayed,rowwise",
+        help="comma-separated FP8 recipes, each trained as a mode beside bf16, from: "
+        f"{', '.join([*RECIPES, *EXTRA])} (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=300,
+        help=f"training steps per run; the final loss is the mean of the last {TAIL} "
+        "(default: %(default)s; 20 with --smoke)",
+    )
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=3,
+        help="seeds per task and mode (0, 1, ...; each changes the initialisation and the "
+        "batches) (default: %(default)s; 2 with --smoke)",
+    )
     parser.add_argument("--json", default=None, help="write records and summary here")
     parser.add_argument("--smoke", action="store_true", help="20 steps, 2 seeds")
     args = parser.parse_args(argv)

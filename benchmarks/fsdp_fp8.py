@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import mixprec
 from mixprec.bench.report import metadata
 from mixprec.distributed.memory import rank_bytes
-from mixprec.fp8 import gemm
+from mixprec.fp8 import RECIPES, gemm
 
 ROWS, IN, OUT = 16, 64, 16
 
@@ -165,13 +165,17 @@ def summarize(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
     block_bf16 = [b for f, b in zip(fp8, bf16, strict=True) if f != b]
     flat_ref = [v for step in r0["reference losses"] for v in step]
     flat_fp8 = [v for step in r0["fp8 losses"] for v in step]
+    # A recipe whose weights are gathered in bf16 (rowwise: its backward re-quantises the
+    # weight along the other axis) has no FP8 gathers: those rows say so, not a ZeroDivision.
+    none = "no FP8 all-gather: this recipe's weights are gathered in bf16"
     return {
         "all-gathers per step": len(fp8),
         "units": units,
         "bytes per step, fp8 / bf16 (all units)": sum(fp8) / sum(bf16),
-        "bytes per step, fp8 / bf16 (FP8 blocks)": sum(block_fp8) / sum(block_bf16),
+        "bytes per step, fp8 / bf16 (FP8 blocks)": (
+            sum(block_fp8) / sum(block_bf16) if block_fp8 else none),
         "unsharded weights of one block, bytes (fp8, bf16)": [
-            max(block_fp8) * args.nproc, max(block_bf16) * args.nproc],
+            max(block_fp8) * args.nproc, max(block_bf16) * args.nproc] if block_fp8 else none,
         "persistent bytes per rank (fp8, bf16)": [r0["fp8 memory"]["total"],
                                                   r0["bf16 memory"]["total"]],
         "max |loss - one process| (fp8)": max(abs(a - b) for a, b in zip(flat_fp8, flat_ref,
@@ -183,12 +187,45 @@ def summarize(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--depth", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--recipe", default="tensorwise")
-    parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=2,
+        help=f"CPU processes (gloo ranks, one torch thread each), each training on {ROWS} rows "
+        "of the global batch (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--width",
+        type=int,
+        default=256,
+        help="d of the residual blocks (d -> 4d -> d) (default: %(default)s; 32 with --smoke)",
+    )
+    parser.add_argument(
+        "--depth",
+        type=int,
+        default=4,
+        help="residual MLP blocks, each an FSDP2 unit (default: %(default)s; 2 with --smoke)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=12,
+        help="training steps of each model, at least 3; the step time is the median of all but "
+        "the first 2 (default: %(default)s; 4 with --smoke)",
+    )
+    parser.add_argument(
+        "--recipe",
+        default="tensorwise",
+        help=f"FP8 recipe of the fp8 model and the reference, one of: {', '.join(RECIPES)}; "
+        "rowwise weights are not all-gathered in FP8 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--json",
+        default=None,
+        metavar="PATH",
+        help="write the run's metadata, the summary, each rank's memory and rank 0's "
+        "measurements (all-gather sizes, step times, losses) as JSON",
+    )
     parser.add_argument("--smoke", action="store_true", help="width 32, depth 2, 4 steps")
     args = parser.parse_args(argv)
     if args.smoke:

@@ -180,10 +180,30 @@ def _run(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--nproc", type=int, default=2, help="ranks to spawn (default: 2)")
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--depth", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument(
+        "--width",
+        type=int,
+        default=256,
+        help="w of each block: LayerNorm + Linear(w, 4w) + GELU + Linear(4w, w) "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--depth", type=int, default=4, help="blocks, each an FSDP2 unit (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=8,
+        help="rows of the input batch each rank takes its two steps on, per configuration "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="cpu (gloo ranks) or cuda (NCCL, one GPU per rank; adds each step's peak "
+        "allocated memory) (default: %(default)s)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write one record per rank and config")
     args = parser.parse_args(argv)
     if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun

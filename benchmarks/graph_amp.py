@@ -220,7 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="cpu (bf16) or cuda (fp16; the GPU suite's part) (default: %(default)s)",
+    )
     parser.add_argument("--rounds", type=int, default=9, help="interleaved rounds (default 9)")
     parser.add_argument("--steps", type=int, default=5, help="steps per block (default 5)")
     parser.add_argument("--smoke", action="store_true", help="toy sizes, for a quick check")

@@ -90,10 +90,30 @@ def _hand_loop(device: str, width: int, steps: int, metrics: bool) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--json", metavar="PATH")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=7,
+        help="interleaved rounds, each timing the four runs once; the median ratio and its "
+        "interquartile range are reported (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=60,
+        help="training steps (batch 64) per timed run (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--width",
+        type=int,
+        default=256,
+        help="width of the model's 4 Linear + LayerNorm + GELU blocks (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        help="write the device, sizes and each ratio's median and quartiles as JSON",
+    )
     args = parser.parse_args()
     from lightning.pytorch.plugins.precision import MixedPrecision
 

@@ -61,6 +61,8 @@ VARIANTS = {
     "torchao-AdamW8bit-sr": ("torchao", {"eight_bit": True}),
     "torchao-AdamW-bf16-sr": ("torchao", {"eight_bit": False}),
 }
+#: The training tasks (`--tasks`), in the module docstring's order.
+TASKS = ("digits", "chargpt")
 
 
 def _torchao():
@@ -456,19 +458,69 @@ def table(meta: dict, summary: dict, speeds: dict | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tasks", default="digits,chargpt")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=1000, help="chargpt optimizer steps")
-    ap.add_argument("--epochs", type=int, default=30, help="digits epochs")
-    ap.add_argument("--text-mb", type=float, default=4.0)
-    ap.add_argument("--val-batches", type=int, default=20)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--speed", action="store_true")
-    ap.add_argument("--speed-rounds", type=int, default=7)
-    ap.add_argument("--speed-steps", type=int, default=10)
-    ap.add_argument("--json")
-    ap.add_argument("--table")
+    ap.add_argument(
+        "--tasks",
+        default=",".join(TASKS),
+        help=f"comma-separated, from: {', '.join(TASKS)}; '' to run --speed only "
+        "(default: %(default)s)",
+    )
+    ap.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"comma-separated, from: {', '.join(VARIANTS)}; the torchao ones are dropped where "
+        "torchao does not import (default: all)",
+    )
+    ap.add_argument(
+        "--seeds", type=int, default=3, help="seeds per task and variant (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--steps", type=int, default=1000, help="chargpt optimizer steps (default: %(default)s)"
+    )
+    ap.add_argument("--epochs", type=int, default=30, help="digits epochs (default: %(default)s)")
+    ap.add_argument(
+        "--text-mb",
+        type=float,
+        default=4.0,
+        help="MiB of the standard library's .py source that chargpt reads; the last 10%% is "
+        "held out for validation (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--val-batches",
+        type=int,
+        default=20,
+        help="fixed validation batches (64 sequences each) averaged into chargpt's validation "
+        "loss (default: %(default)s)",
+    )
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
+    ap.add_argument(
+        "--speed",
+        action="store_true",
+        help="also time the step: TrainStep compiled for O2 and O4, and torchao's optimizers "
+        "eagerly, on 4 x Linear(512), batch 64",
+    )
+    ap.add_argument(
+        "--speed-rounds",
+        type=int,
+        default=7,
+        help="interleaved rounds of --speed; the median ms/step is reported (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--speed-steps",
+        type=int,
+        default=10,
+        help="steps per variant and round of --speed (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--json",
+        metavar="PATH",
+        help="write the metadata, summary, step times and every run as JSON (with --merge: "
+        "the merged result)",
+    )
+    ap.add_argument(
+        "--table",
+        metavar="PATH",
+        help="also write the printed Markdown tables to PATH (with --merge: the merged ones)",
+    )
     ap.add_argument(
         "--merge",
         nargs="+",
@@ -489,11 +541,15 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     ao, why = _torchao()
     variants = [v for v in args.variants.split(",") if v]
+    tasks = [t for t in args.tasks.split(",") if t]  # --tasks '': speed only
+    for kind, asked, valid in (("--variants", variants, VARIANTS), ("--tasks", tasks, TASKS)):
+        if set(asked) - set(valid):
+            ap.error(f"{kind}: unknown {', '.join(sorted(set(asked) - set(valid)))}; valid: "
+                     f"{', '.join(valid)}")  # fmt: skip
     if ao is None:
         variants = [v for v in variants if not v.startswith("torchao")]
     text = None
     results: dict = {}
-    tasks = [t for t in args.tasks.split(",") if t]  # --tasks '': speed only
     for task in tasks:
         if task == "chargpt":
             train, val, source = _stdlib_text(args.text_mb)

@@ -200,14 +200,27 @@ def check(kind: str, device: str, width: int, batch: int, warmup: int, window: i
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="auto: cuda where available, else cpu; on a CPU the steps run but no syncs are "
+        "counted (default: %(default)s)",
+    )
     parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated, from: "
                         + ", ".join(KINDS))  # fmt: skip
     parser.add_argument("--width", type=int, default=None, help="MLP width (512 GPU, 32 CPU)")
-    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument(
+        "--batch", type=int, default=64, help="rows per step's batch (default: %(default)s)"
+    )
     parser.add_argument("--warmup", type=int, default=4, help="steps before the window (4)")
     parser.add_argument("--window", type=int, default=6, help="steps counted (6)")
-    parser.add_argument("--json", metavar="PATH")
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        help="write the metadata and one row per configuration (syncs per step and where, "
+        "skipped updates, status) as JSON",
+    )
     args = parser.parse_args(argv)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" \
         else args.device  # fmt: skip

@@ -103,12 +103,19 @@ def _measure(name, device, dtype, cfg, batch, steps, warmup) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        choices=["cuda", "cpu"])  # fmt: skip
+                        choices=["cuda", "cpu"],
+                        help="cuda (GPT-2 small, memory measured) or cpu (a tiny GPT, no memory "
+                        "columns) (default: cuda where available, else cpu)")  # fmt: skip
     parser.add_argument("--dtype", default=None, help="fp16 or bf16 (default: fp16 on CUDA)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (20 GPU, 10 CPU)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (3)")
     parser.add_argument("--batch", type=int, default=None, help="sequences (8 GPU, 4 CPU)")
-    parser.add_argument("--json", metavar="PATH")
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        help="write the metadata and one row per variant (ms/step, memory, loss, speed-up "
+        "against torch.amp) as JSON",
+    )
     args = parser.parse_args(argv)
     gpu = args.device == "cuda"
     if gpu and not torch.cuda.is_available():

@@ -133,7 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         choices=["cuda", "cpu"], help="default: cuda if available")  # fmt: skip
-    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=10,
+        help="timed blocks per scaler in the MLP part (interleaved) and timed unscale_ calls "
+        "per variant; the median is reported (default: %(default)s)",
+    )
     parser.add_argument("--width", type=int, default=None, help="MLP width (4096 GPU, 512 CPU)")
     parser.add_argument("--batch", type=int, default=None, help="MLP batch (512 GPU, 64 CPU)")
     parser.add_argument("--steps", type=int, default=None,
@@ -145,7 +151,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="elements per gradient (1,000,000 GPU: 100M in all; 100,000 CPU)",
     )
-    parser.add_argument("--json", metavar="PATH")
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        help="write the metadata and the rows of both parts (times, speed-ups against torch's "
+        "scaler) as JSON",
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda was requested but CUDA is not available")
