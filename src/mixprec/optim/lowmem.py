@@ -101,7 +101,9 @@ class _Plane(dict):
     into it (`LowMemOptimizer._once`).
     """
 
-    def __init__(self, state: dict[str, Any], plane: int, numel: int, shared: dict) -> None:
+    def __init__(
+        self, state: dict[str, Any], plane: int, numel: int, shared: dict[str, Any]
+    ) -> None:
         size = numel // codes.PLANES
         super().__init__()
         for name, value in state.items():
@@ -149,8 +151,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
         """``make()``, once per parameter and step: the planes of an update share the value.
 
         Each plane computing its own copy compiled to separate 0-dim computations: three per
-        plane, each a few small buffers handled by the compiled step's Python wrapper (300 of
-        its 500 lines for a 4 x Linear(512) model).
+        plane, each a few small buffers handled by the compiled step's Python wrapper (184 of
+        its 419 lines and 96 of its 132 buffer allocations for a 4 x Linear(512) model).
         """
         shared = state.shared if isinstance(state, _Plane) else None
         if shared is None:
@@ -448,7 +450,7 @@ class LowMemAdamW(LowMemOptimizer):
 
 def _corrections(step: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
     """Adam's bias corrections at `step`: ``(1 - beta1^step, sqrt(1 - beta2^step))``, fp32,
-    computed in fp64 as one 0-dim computation (`computed_once`) for both."""
+    computed in fp64 as one small computation (`computed_once`) for both."""
     step = step.double()
     both = torch.stack([1 - beta1**step, (1 - beta2**step).sqrt()]).float()
     return computed_once(both)
