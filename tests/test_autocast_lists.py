@@ -270,14 +270,41 @@ def test_cuda_lists_on_gpu(op, args, kwargs, module, want, amp):
         _check(op, _half_to(args, amp), expected, amp, module, kwargs, device="cuda")
 
 
+@pytest.mark.parametrize("name", ["lstm", "gru", "rnn_tanh", "rnn_relu"])
+def test_cuda_rnn_composites_are_left_to_torchs_dispatcher(name):
+    """On CUDA, torch casts cuDNN's flat RNN weight buffer inside ``_cudnn_rnn``; a cast of the
+    outer call would split it (the GPU test below). So the CUDA table has no rule for the RNN
+    composites while the policy agrees with torch's list; the CPU table keeps its rule, and an
+    edit that disagrees gets a rule back (guarded, so torch's dispatcher stays out)."""
+    from mixprec.eager.mode import _handle
+    from mixprec.eager.rules import Guarded
+    from mixprec.eager.table import tables
+    from mixprec.policy.policy import DEFAULT_POLICY
+
+    fn = getattr(torch, name)
+
+    def rule(*regions):
+        return tables()[_handle(tuple(regions))].memo.get(fn, "absent")
+
+    assert rule(("cuda", FP16, DEFAULT_POLICY)) is None
+    assert rule(("cuda", BF16, DEFAULT_POLICY)) is None
+    assert rule(("cpu", BF16, DEFAULT_POLICY)) not in (None, "absent")
+    edited = mixprec.Policy().move("_cudnn_rnn", to="fp32")
+    moved = rule(("cuda", FP16, edited))
+    assert isinstance(moved, Guarded) and moved.category is mixprec.OpCategory.FP32
+    assert "torch's dispatcher" in mixprec.Policy().decide(name, device_type="cuda").reason
+    assert "torch's dispatcher" not in mixprec.Policy().decide(name, device_type="cpu").reason
+
+
 @requires_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("cell", ["LSTM", "GRU"])
 def test_cuda_rnn_matches_torch_and_keeps_cudnns_flat_weights(cell):
     """torch.autocast casts an RNN's weights inside cuDNN's kernel, as one flat buffer. mixprec
-    (lstm and gru are composites it casts from Python) must give the same result without
-    breaking that layout: cuDNN would copy the weights into one buffer on every call, warning
-    'RNN module weights are not part of single contiguous chunk of memory'."""
+    must give the same result without breaking that layout: cast one by one from Python (as
+    mixprec did until the first GPU run failed this test), cuDNN copies the weights into one
+    buffer on every call, warning 'RNN module weights are not part of single contiguous chunk
+    of memory'."""
     import warnings
 
     torch.manual_seed(0)

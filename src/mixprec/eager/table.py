@@ -32,7 +32,7 @@ from mixprec.eager.rules import (
     make_rule,
 )
 from mixprec.policy.categories import OpCategory
-from mixprec.policy.decompositions import KNOWN_DEVIATIONS
+from mixprec.policy.decompositions import COMPOSITES, KNOWN_DEVIATIONS
 from mixprec.policy.entrypoints import entry_points, op_name
 from mixprec.policy.policy import CATEGORY_ATTR, DEFAULT_POLICY, Policy, ResolvedPolicy
 
@@ -81,6 +81,10 @@ class DispatchTable:
                 if cat is OpCategory.PASSTHROUGH:
                     continue
                 ruled.add(name)
+                if _left_to_torch(rp, ref, name):
+                    for fn in entry_points(name):
+                        per_func.setdefault(fn, {})  # no rule on this device: torch casts it
+                    continue
                 rule = self._rule(
                     rp,
                     cat,
@@ -150,6 +154,8 @@ class DispatchTable:
 
     @staticmethod
     def _combine(by_dev: dict[str, Any]) -> Any:
+        if not by_dev:
+            return None
         if len(by_dev) == 1:
             return next(iter(by_dev.values()))
         return DeviceSwitch(by_dev)
@@ -182,6 +188,8 @@ class DispatchTable:
             with contextlib.suppress(TypeError):
                 cat = rp.functions.get(func)
             by_op = cat is None and name is not None and name in rp.ops
+            if by_op and _left_to_torch(rp, _torch_reference(rp.device_type, rp.dtype), name):
+                continue
             if by_op:
                 cat = rp.ops[name]
             if cat is None and declared is not None:
@@ -232,6 +240,18 @@ def _spec(rp: ResolvedPolicy, name: str) -> tuple[Any, ...]:
 def _differs(rp: ResolvedPolicy, ref: ResolvedPolicy, name: str | None) -> bool:
     """Whether the policy treats op `name` otherwise than torch's dispatcher would."""
     return name is None or name in KNOWN_DEVIATIONS or _spec(rp, name) != _spec(ref, name)
+
+
+def _left_to_torch(rp: ResolvedPolicy, ref: ResolvedPolicy, name: str) -> bool:
+    """Whether calls of composite `name` pass through to torch's dispatcher (`Via.dispatcher`):
+    on such a device, while the policy treats it as torch's list does."""
+    via = COMPOSITES.get(name)
+    return (
+        via is not None
+        and rp.device_type in via.dispatcher
+        and name not in rp.dynamic
+        and _spec(rp, name) == _spec(ref, name)
+    )
 
 
 @functools.lru_cache(maxsize=32)

@@ -45,6 +45,11 @@ class Via:
             reproduces: a Python re-statement of the C++ body, run under the region so each of
             its ops gets the policy (``bilinear`` on CPU: ``_trilinear`` in bf16, then ``+ bias``
             in fp32).
+        dispatcher: device types on which the whole call is left to torch's dispatcher while
+            the policy treats the composite as torch's list does: there the inner kernel casts
+            what a cast of the outer call would break. cuDNN's RNN weights are one flat buffer
+            that torch casts inside ``_cudnn_rnn``; cast one by one from Python, they stop
+            being one buffer, and cuDNN copies them into one (and warns) on every call.
     """
 
     ops: tuple[str, ...] = ()
@@ -53,6 +58,7 @@ class Via:
     restore: bool = False
     resolve: Callable[[tuple[Any, ...], Mapping[str, Any]], str | None] | None = None
     decompose: Callable[..., Any] | None = None
+    dispatcher: tuple[str, ...] = ()
 
 
 def _pad_inner(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str | None:
@@ -134,10 +140,10 @@ COMPOSITES: Mapping[str, Via] = MappingProxyType(
         "pairwise_distance": Via(("norm",)),
         "pad": Via(resolve=_pad_inner),
         # recurrent layers: cuDNN on CUDA (torch autocasts _cudnn_rnn), oneDNN or addmm on CPU
-        "lstm": Via(("_cudnn_rnn", "mkldnn_rnn_layer")),
-        "gru": Via(("_cudnn_rnn",)),
-        "rnn_tanh": Via(("_cudnn_rnn", "addmm")),
-        "rnn_relu": Via(("_cudnn_rnn", "addmm")),
+        "lstm": Via(("_cudnn_rnn", "mkldnn_rnn_layer"), dispatcher=("cuda",)),
+        "gru": Via(("_cudnn_rnn",), dispatcher=("cuda",)),
+        "rnn_tanh": Via(("_cudnn_rnn", "addmm"), dispatcher=("cuda",)),
+        "rnn_relu": Via(("_cudnn_rnn", "addmm"), dispatcher=("cuda",)),
         "rnn_tanh_cell": Via(("linear",)),
         "rnn_relu_cell": Via(("linear",)),
     }

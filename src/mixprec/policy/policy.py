@@ -361,6 +361,11 @@ class Policy:
                     f"a C++ composite whose body calls {inner} ({ops[inner].value} here), which "
                     f"torch.autocast casts inside it"
                 )
+                if device_type in via.dispatcher:
+                    reasons[name] += (
+                        "; while that agrees with torch's list, mixprec leaves the call to "
+                        "torch's dispatcher here, whose kernel casts the weights as one buffer"
+                    )
                 if via.keep:
                     keep[name] = via.keep
                 if via.restore:
