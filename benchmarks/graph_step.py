@@ -23,11 +23,16 @@ in the same dtype, and against the manual capture in the same dtype, all from th
 On a CPU the manual capture and the fp16 rows are skipped (each says why) and TrainStep runs its
 eager fallback, at small sizes unless --full.
 
+Isolation: on CUDA each workload's manual captures run in a fresh process (``--isolate``), and
+after a CUDA error the variants left move to a fresh process, so that a crash costs only its own
+rows (a row measured so says ``process`` in the JSON). The first H100 run (torch 2.11) lost every
+TrainStep row to the manual capture's illegal memory access, and GPT-2's whole table to a segfault.
+
 Usage::
 
     PYTHONPATH=src python benchmarks/graph_step.py [--workloads mlp,resnet50,gpt2]
         [--variants ...] [--device auto|cpu|cuda] [--full] [--compile-backend inductor]
-        [--json PATH]
+        [--isolate VARIANTS] [--json PATH]
 """
 
 from __future__ import annotations
@@ -36,8 +41,11 @@ import argparse
 import contextlib
 import gc
 import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -101,16 +109,30 @@ def _manual_capture(workload, model, batch, device, dtype) -> Callable[[], torch
         scaler.update()
         return loss.detach()
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            body()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    opt.zero_grad(set_to_none=True)
-    with torch.cuda.graph(graph):
-        static_loss = body()
+    # Warm-up and capture on one side stream: autograd remembers the stream each gradient
+    # accumulator first ran on, and a capture on another stream would wait on that one.
+    # The first H100 run (torch 2.11) warmed up on a side stream and captured on
+    # torch.cuda.graph's own: an illegal memory access (MLP, ResNet-50), a segfault (GPT-2).
+    phase = "warm-up"
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                body()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        phase = "capture"
+        graph = torch.cuda.CUDAGraph()
+        opt.zero_grad(set_to_none=True)
+        with torch.cuda.graph(graph, stream=side):
+            static_loss = body()
+        torch.cuda.synchronize()
+        phase = "first replay"
+        graph.replay()
+        torch.cuda.synchronize()
+    except Exception as err:  # say which phase failed: a replay fault shows no useful traceback
+        raise RuntimeError(f"in its {phase}: {type(err).__name__}: {err}") from err
 
     def step() -> torch.Tensor:
         for dst, src in zip(static, batch, strict=True):
@@ -218,6 +240,114 @@ def measure(step: Callable[[], torch.Tensor], device: str, warmup: int, steps: i
     return statistics.median(per_round) * 1e3, peak, float(loss.item())  # type: ignore[union-attr]
 
 
+def _context_lost(err: BaseException) -> bool:
+    """Whether `err` leaves this process's CUDA context unusable (every later call fails)."""
+    return type(err).__name__ == "AcceleratorError" or "CUDA error" in str(err)
+
+
+def _measure_row(name: str, wname: str, workload: Workload, size: WorkloadSize, steps: int,
+                 device: str, args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
+    """One variant's row, measured in this process."""
+    row: dict[str, Any] = {"workload": wname, "size": size.description, "variant": name,
+                           "device": device, "status": "ok", "reason": ""}  # fmt: skip
+    if "compile" in name:
+        row["compile_backend"] = args.compile_backend
+    why = _unavailable(name, device)
+    if why:
+        return {**row, "status": "skipped", "reason": why}
+    print(f"{wname:9s} {name} ...", file=sys.stderr, flush=True)
+    try:
+        step = build(name, workload, size.params, device, args.compile_backend)
+        ms, peak, loss = measure(step, device, args.warmup, steps, args.rounds)
+    except Exception as err:  # a variant that fails is reported, not fatal
+        reason = f"{type(err).__name__}: {err}"[:300]
+        return {**row, "status": "failed", "reason": reason, "context_lost": _context_lost(err)}
+    ts = getattr(step, "train_step", None)
+    row.update(ms_per_step=ms, peak_MiB=peak, final_loss=loss)
+    if ts is not None:
+        row.update(captured=ts.captured, reason=ts.reason)
+    del step
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def _in_fresh_process(args: argparse.Namespace, device: str, wname: str, variants: list[str],
+                      why: str) -> list[dict[str, Any]]:  # fmt: skip
+    """`variants` of `wname` measured by this script in a new Python process.
+
+    Costs a process start (torch and mixprec imported again, a new CUDA context: seconds). It
+    keeps a crash out of this process: the first H100 run lost every row after a hand-written
+    capture's illegal memory access (the context is unusable after one), and a whole workload
+    to a segfault.
+    """
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    cmd = [sys.executable, os.path.abspath(__file__), "--workloads", wname, "--variants",
+           ",".join(variants), "--device", device, "--warmup", str(args.warmup), "--rounds",
+           str(args.rounds), "--compile-backend", args.compile_backend, "--isolate", "",
+           "--no-table", "--json", path]  # fmt: skip
+    cmd += ["--full"] if args.full else []
+    cmd += ["--steps", str(args.steps)] if args.steps else []
+    cmd += ["--batch", str(args.batch)] if args.batch else []
+    proc = subprocess.run(cmd, check=False)
+    try:
+        with open(path) as fh:
+            got = {r["variant"]: r for r in json.load(fh)}
+    except (OSError, ValueError):
+        got = {}
+    finally:
+        os.unlink(path)
+    keep = ("workload", "size", "variant", "device", "status", "reason", "compile_backend",
+            "ms_per_step", "peak_MiB", "final_loss", "captured", "x_fp32", "x_torch_amp",
+            "x_manual", "process")  # fmt: skip
+    rc = proc.returncode
+    ended = f"killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
+    rows = []
+    for name in variants:
+        r = got.get(name)
+        if r is None:
+            r = {"workload": wname, "variant": name, "device": device, "status": "failed",
+                 "reason": f"its fresh process ({why}) {ended} before measuring it"}  # fmt: skip
+        rows.append({k: r[k] for k in keep if k in r} | {"process": r.get("process") or
+                                                         f"fresh ({why})"})  # fmt: skip
+    return rows
+
+
+def _isolated_variants(args: argparse.Namespace, device: str,
+                       ap: argparse.ArgumentParser) -> set[str]:  # fmt: skip
+    if args.isolate is None:
+        return {v for v in VARIANTS if v.startswith("manual")} if device == "cuda" else set()
+    names = {v.strip() for v in args.isolate.split(",") if v.strip()}
+    bad = sorted(names - set(VARIANTS))
+    if bad:
+        ap.error(f"--isolate: unknown variants {bad}; valid: {', '.join(VARIANTS)}")
+    return names
+
+
+def _print_table(meta: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    print(f"{meta['device_name']} | torch {meta['torch']} | mixprec {meta['mixprec']}")
+    print("ms/step: back-to-back steps, one sync per round, median of rounds; x: speed-up over "
+          "fp32 / torch.amp (same dtype) / manual capture (same dtype)")  # fmt: skip
+    for wname in dict.fromkeys(r["workload"] for r in rows):
+        print(f"\n{wname}")
+        print(f"  {'variant':27s} {'ms/step':>8s} {'x fp32':>7s} {'x amp':>7s} {'x manual':>8s}"
+              f" {'peak MiB':>9s}")  # fmt: skip
+        for r in (r for r in rows if r["workload"] == wname):
+            if r["status"] != "ok":
+                print(f"  {r['variant']:27s} {r['status']}: {r['reason']}")
+                continue
+
+            def f(key: str, spec: str = ".2f", suffix: str = "x", r: dict = r) -> str:
+                v = r.get(key)
+                return "-" if v is None else f"{v:{spec}}{suffix}"
+
+            cap = "" if r.get("captured") in (None, True) else "  (eager: see JSON reason)"
+            print(f"  {r['variant']:27s} {r['ms_per_step']:8.2f} {f('x_fp32'):>7s} "
+                  f"{f('x_torch_amp'):>7s} {f('x_manual'):>8s} {f('peak_MiB', '.0f', ''):>9s}"
+                  f"{cap}")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workloads", default="mlp,resnet50,gpt2",
@@ -248,6 +378,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile-backend", default="inductor",
                     help="torch.compile backend of the +compile variants (default inductor; "
                     "eager or aot_eager make smoke runs fast)")  # fmt: skip
+    ap.add_argument(
+        "--isolate",
+        default=None,
+        metavar="VARIANTS",
+        help="comma-separated variants each measured in a fresh process, so that a crash "
+        "loses only its own row (default on CUDA: the manual captures; '' for none). After "
+        "a CUDA error the rest of the run moves to a fresh process anyway",
+    )
+    ap.add_argument("--no-table", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", metavar="PATH", help="write the rows as JSON records")
     args = ap.parse_args(argv)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" \
@@ -258,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [v for v in names if v not in VARIANTS]
     if bad:
         ap.error(f"unknown variants {bad}; valid: {', '.join(VARIANTS)}")
+    isolate = _isolated_variants(args, device, ap)
+    lost = False  # this process's CUDA context is unusable: measure the rest elsewhere
     rows: list[dict[str, Any]] = []
     for wname in args.workloads.split(","):
         workload = WORKLOADS[wname]
@@ -266,33 +407,23 @@ def main(argv: list[str] | None = None) -> int:
             size = WorkloadSize(f"{size.description}; batch set to {args.batch}", size.steps,
                                 size.warmup, {**size.params, "batch": args.batch})  # fmt: skip
         steps = args.steps or (20 if device == "cuda" else max(2, size.steps // 4))
-        block = []
-        for name in names:
-            row: dict[str, Any] = {"workload": wname, "size": size.description, "variant": name,
-                                   "device": device, "status": "ok", "reason": ""}  # fmt: skip
-            if "compile" in name:
-                row["compile_backend"] = args.compile_backend
-            why = _unavailable(name, device)
-            if why:
-                row.update(status="skipped", reason=why)
-                block.append(row)
+        block: list[dict[str, Any]] = []
+        pending = list(names)
+        while pending:
+            name = pending.pop(0)
+            if lost or name in isolate:
+                # A fresh process: every variant left once this one's CUDA context is lost,
+                # else this one (with the other isolated variants next to it).
+                group = [name, *pending] if lost else [name]
+                while not lost and pending and pending[0] in isolate:
+                    group.append(pending.pop(0))
+                pending = pending if not lost else []
+                why = "after a CUDA error in the parent" if lost else "--isolate"
+                block += _in_fresh_process(args, device, wname, group, why)
                 continue
-            print(f"{wname:9s} {name} ...", file=sys.stderr, flush=True)
-            try:
-                step = build(name, workload, size.params, device, args.compile_backend)
-                ms, peak, loss = measure(step, device, args.warmup, steps, args.rounds)
-            except Exception as err:  # a variant that fails is reported, not fatal
-                row.update(status="failed", reason=f"{type(err).__name__}: {err}"[:300])
-                block.append(row)
-                continue
-            ts = getattr(step, "train_step", None)
-            row.update(ms_per_step=ms, peak_MiB=peak, final_loss=loss)
-            if ts is not None:
-                row.update(captured=ts.captured, reason=ts.reason)
+            row = _measure_row(name, wname, workload, size, steps, device, args)
+            lost = lost or bool(row.pop("context_lost", False))
             block.append(row)
-            del step
-            if device == "cuda":
-                torch.cuda.empty_cache()
         ok = {r["variant"]: r for r in block if r["status"] == "ok"}
         for r in block:
             if r["status"] != "ok":
@@ -305,30 +436,13 @@ def main(argv: list[str] | None = None) -> int:
         rows += block
     meta = metadata(device)
     meta["command"] = "python benchmarks/graph_step.py " + " ".join(sys.argv[1:])
-    print(f"{meta['device_name']} | torch {meta['torch']} | mixprec {meta['mixprec']}")
-    print("ms/step: back-to-back steps, one sync per round, median of rounds; x: speed-up over "
-          "fp32 / torch.amp (same dtype) / manual capture (same dtype)")  # fmt: skip
-    for wname in dict.fromkeys(r["workload"] for r in rows):
-        print(f"\n{wname}")
-        print(f"  {'variant':27s} {'ms/step':>8s} {'x fp32':>7s} {'x amp':>7s} {'x manual':>8s}"
-              f" {'peak MiB':>9s}")  # fmt: skip
-        for r in (r for r in rows if r["workload"] == wname):
-            if r["status"] != "ok":
-                print(f"  {r['variant']:27s} {r['status']}: {r['reason']}")
-                continue
-
-            def f(key: str, spec: str = ".2f", suffix: str = "x", r: dict = r) -> str:
-                v = r.get(key)
-                return "-" if v is None else f"{v:{spec}}{suffix}"
-
-            cap = "" if r.get("captured") in (None, True) else "  (eager: see JSON reason)"
-            print(f"  {r['variant']:27s} {r['ms_per_step']:8.2f} {f('x_fp32'):>7s} "
-                  f"{f('x_torch_amp'):>7s} {f('x_manual'):>8s} {f('peak_MiB', '.0f', ''):>9s}"
-                  f"{cap}")  # fmt: skip
+    if not args.no_table:
+        _print_table(meta, rows)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump([{**meta, **r} for r in rows], fh, indent=1)
-        print(f"\nwrote {args.json}")
+        if not args.no_table:
+            print(f"\nwrote {args.json}")
     return 0
 
 

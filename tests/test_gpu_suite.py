@@ -569,3 +569,47 @@ def test_manual_capture_optimizer_keeps_only_what_the_constructor_takes():
     for name, w in WORKLOADS.items():
         opt = graph_step._fused_optimizer(w, torch.nn.Linear(4, 4))
         assert opt.defaults["fused"] is True, name
+
+
+def test_graph_step_moves_the_rest_to_a_fresh_process_after_a_cuda_error(tmp_path, monkeypatch):
+    """After an illegal memory access every later CUDA call fails (the first H100 run lost all
+    TrainStep rows to the manual capture's): the variants left are measured in a new process."""
+    import graph_step
+
+    real_build = graph_step.build
+
+    def build(name, *args, **kwargs):
+        if name == "torch.amp bf16":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return real_build(name, *args, **kwargs)
+
+    monkeypatch.setattr(graph_step, "build", build)  # this process only: the child is clean
+    out = tmp_path / "rows.json"
+    graph_step.main(["--workloads", "mlp", "--variants", "fp32,torch.amp bf16,O1 eager bf16",
+                     "--device", "cpu", "--batch", "4", "--steps", "1", "--rounds", "1",
+                     "--warmup", "1", "--json", str(out)])  # fmt: skip
+    rows = {r["variant"]: r for r in json.loads(out.read_text())}
+    assert rows["fp32"]["status"] == "ok" and "process" not in rows["fp32"]
+    assert rows["torch.amp bf16"]["status"] == "failed"
+    assert "illegal memory access" in rows["torch.amp bf16"]["reason"]
+    fresh = rows["O1 eager bf16"]
+    assert fresh["status"] == "ok" and fresh["ms_per_step"] > 0
+    assert fresh["process"] == "fresh (after a CUDA error in the parent)"
+    assert fresh["x_fp32"] == rows["fp32"]["ms_per_step"] / fresh["ms_per_step"]
+    with pytest.raises(SystemExit):
+        graph_step.main(["--isolate", "manual fp8", "--device", "cpu"])
+
+
+def test_graph_step_reports_a_fresh_process_that_crashed(monkeypatch):
+    """A segfault (GPT-2's manual capture on the first H100 run) costs only the isolated rows,
+    each saying how its process ended."""
+    import graph_step
+
+    monkeypatch.setattr(graph_step.subprocess, "run",
+                        lambda cmd, check: SimpleNamespace(returncode=-11))  # fmt: skip
+    args = graph_step.argparse.Namespace(warmup=1, rounds=1, compile_backend="eager", full=False,
+                                         steps=None, batch=None)  # fmt: skip
+    rows = graph_step._in_fresh_process(args, "cuda", "gpt2", ["manual fp16", "manual bf16"],
+                                        "--isolate")  # fmt: skip
+    assert [r["status"] for r in rows] == ["failed", "failed"]
+    assert "killed by signal 11" in rows[0]["reason"] and rows[1]["variant"] == "manual bf16"
