@@ -613,3 +613,25 @@ def test_graph_step_reports_a_fresh_process_that_crashed(monkeypatch):
                                         "--isolate")  # fmt: skip
     assert [r["status"] for r in rows] == ["failed", "failed"]
     assert "killed by signal 11" in rows[0]["reason"] and rows[1]["variant"] == "manual bf16"
+
+
+def test_no_sync_counts_syncs_not_the_debug_modes_own_notice(monkeypatch):
+    """set_sync_debug_mode warns once that it is a prototype ("...all synchronizing
+    operations"); the first H100 run counted that as a sync of the first configuration."""
+    import warnings
+
+    import no_sync
+
+    def set_mode(mode):
+        if mode == "warn":
+            warnings.warn("Synchronization debug mode is a prototype feature and does not yet "
+                          "detect all synchronizing operations", stacklevel=1)  # fmt: skip
+
+    def step(x, y):
+        if x:
+            warnings.warn("called a synchronizing CUDA operation", stacklevel=1)
+
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", set_mode)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    syncs, places = no_sync._count_syncs(step, [(1, 0), (0, 0), (1, 0)])
+    assert syncs == 2 and len(places) == 1
