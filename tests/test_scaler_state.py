@@ -3,6 +3,7 @@ its invariants (bounds, hysteresis, growth timing, never inf) as hypothesis prop
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 
 from mixprec import PolicyError, ScaleConfig, ScalerConfigError, update_scale
 from mixprec.scaling import init_state
-from mixprec.scaling.state import HISTORY
+from mixprec.scaling.state import HISTORY, update_scale_, updates_in_place
 
 f32 = np.float32
 TINY = f32(np.finfo(np.float32).tiny)
@@ -98,6 +99,41 @@ def test_matches_plain_python_model(config, flags):
     # counters
     assert int(state.steps) == len(flags) and int(state.skipped) == sum(flags)
     assert int(state.last_skip) == (max(i for i, f in enumerate(flags) if f) if any(flags) else -1)
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    config=configs,
+    # counts, not only 0/1: found_inf counts the non-finite gradients
+    found=st.lists(st.sampled_from([0.0, 0.0, 1.0, 3.0]), max_size=70),
+    init=st.sampled_from([1.0, 2.0**16, 3.0e38, 1e-38]),
+)
+def test_in_place_update_is_the_pure_update_bit_for_bit(config, found, init):
+    """The scaler's in-place update (fewer kernels per step) for the configurations it takes:
+    every field of the state, after every step, equals the pure function's."""
+    if not updates_in_place(config):
+        config = dataclasses.replace(config, hysteresis=1, max_scale=None, dynamic=True)
+    if not updates_in_place(config):  # a factor fp32 cannot hold (0.9)
+        config = dataclasses.replace(config, backoff_factor=0.5)
+    assert updates_in_place(config)
+    pure = init_state(init, config, "cpu")
+    mine = init_state(init, config, "cpu")
+    ids = [id(t) for t in mine]
+    for f in found:
+        pure = update_scale(pure, torch.tensor(f), config)
+        update_scale_(mine, torch.tensor(f), config)
+        for name, a, b in zip(pure._fields, pure, mine, strict=True):
+            assert a.dtype == b.dtype and torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), name
+    assert [id(t) for t in mine] == ids  # in place: a captured graph keeps its addresses
+
+
+def test_in_place_update_declines_what_it_does_not_implement():
+    assert updates_in_place(ScaleConfig())
+    assert not updates_in_place(ScaleConfig(hysteresis=2))
+    assert not updates_in_place(ScaleConfig(max_scale=2.0**20))
+    assert not updates_in_place(ScaleConfig(dynamic=False))
+    assert not updates_in_place(ScaleConfig(backoff_factor=0.9))  # not exact in fp32
+    assert updates_in_place(ScaleConfig(growth_factor=1.5, backoff_factor=0.25))
 
 
 @settings(max_examples=100, deadline=None)

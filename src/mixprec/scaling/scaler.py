@@ -36,7 +36,7 @@ from typing import Any, overload
 
 import torch
 
-from mixprec._compat import capturing
+from mixprec._compat import capturing, dynamo_tracing
 from mixprec.errors import MixprecError, PolicyError
 from mixprec.scaling import checkpoint, contract, report
 from mixprec.scaling.report import SkipEvent
@@ -51,6 +51,8 @@ from mixprec.scaling.state import (
     is_int,
     is_number,
     update_scale,
+    update_scale_,
+    updates_in_place,
 )
 from mixprec.scaling.unscale import IMPLS, check_finite_, group_grads, unscale_and_check_
 
@@ -598,12 +600,14 @@ class GradScaler:
             )
         if steps:
             main = self._main_device()
-            combined = torch.zeros((), dtype=torch.float32, device=main)
+            combined: torch.Tensor | None = None
             for s in steps:
                 if s.pending is not None:
                     s.pending.wait()
                     s.pending = None
-                combined = combined + s.found_inf
+                found = s.found_inf.to(main, non_blocking=True)
+                combined = found if combined is None else combined + found
+            assert combined is not None  # `steps` is not empty
             # With several losses, a loss advances only in the iterations it ran in (a scaled()
             # block), as Apex's per-loss scalers did: on the host, or on the device where the
             # ranks must agree on it.
@@ -622,7 +626,10 @@ class GradScaler:
                 own = combined if self._num_losses == 1 else (
                     loss.found_inf if loss.found_inf is not None else torch.zeros_like(combined)
                 )  # fmt: skip
-                self._replace(loss, update_scale(loss.state, own, config, advance))
+                if advance is True and updates_in_place(config) and not dynamo_tracing():
+                    update_scale_(loss.state, own, config)  # same bits, fewer kernels
+                else:
+                    self._replace(loss, update_scale(loss.state, own, config, advance))
                 loss.found_inf = None
         if new_scale is not None:
             self._losses[0].state.scale.copy_(new_scale.reshape(()))

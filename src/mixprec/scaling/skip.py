@@ -189,8 +189,9 @@ class StepGuard:
         result = run()
         with torch.no_grad():
             skip = found_inf != 0
+            # One kernel per tensor, written in place (no temporary the size of the tensor).
             for current, saved in zip(tensors, self._snapshot, strict=True):
-                current.copy_(torch.where(skip, saved, current))
+                torch.where(skip, saved, current, out=current)
         return result
 
     def _host_step(
