@@ -61,9 +61,11 @@ def _graph_part(workload: str, priority: int, estimate: float, timeout: float,
 
 _SMOKE_CPU = ["--device", "cpu"]
 
+# estimate_s: what each part took on the first H100 run (2026-11-27, torch 2.11), with about 20%
+# margin; d-* and l-fp8-step/loss had not completed a run then, so theirs are still guesses.
 PARTS: list[Part] = [
     Part(
-        name="a-cuda-tests", priority=10, estimate_s=120, timeout_s=420,
+        name="a-cuda-tests", priority=10, estimate_s=110, timeout_s=420,
         title="every CUDA test (pytest -m gpu; the autocast lists are part b)",
         command=lambda ctx: _pytest(ctx, "a.xml", "-m", "gpu", "-k",
                                     "not test_cuda_lists_on_gpu", *_gpu_test_files(ctx)),
@@ -71,7 +73,7 @@ PARTS: list[Part] = [
         goals=(Goal("CUDA tests failing", "==", 0, "every CUDA test passes on the GPU"),),
     ),
     Part(
-        name="b-autocast-lists", priority=20, estimate_s=60, timeout_s=300,
+        name="b-autocast-lists", priority=20, estimate_s=30, timeout_s=300,
         title="torch's CUDA autocast test lists on the GPU, fp16 and bf16",
         command=lambda ctx: _pytest(ctx, "b.xml", "tests/test_autocast_lists.py", "-k",
                                     "test_cuda_lists_on_gpu" + (" or test_cpu_nn_16"
@@ -84,7 +86,7 @@ PARTS: list[Part] = [
                     "torch's CUDA autocast lists, bf16: every entry as torch.autocast")),
     ),
     Part(
-        name="c-no-sync", priority=30, estimate_s=40, timeout_s=240,
+        name="c-no-sync", priority=30, estimate_s=20, timeout_s=240,
         title="no host syncs: full steps under set_sync_debug_mode (SGD momentum, Adam "
         "foreach, fused AdamW, unscale_ + clip, O2, TrainStep, watch)",
         command=lambda ctx: [ctx.python, "benchmarks/no_sync.py", "--json", ctx.path("c.json")]
@@ -112,7 +114,7 @@ PARTS: list[Part] = [
              "GPT-2 small: TrainStep + compile <= 1.0x torch.amp + compile (time)"),
     )),
     Part(
-        name="e-scaler", priority=50, estimate_s=45, timeout_s=240,
+        name="e-scaler", priority=50, estimate_s=20, timeout_s=240,
         title="GradScaler step+update vs torch's on the seed MLP; unscale of 100M elements",
         command=lambda ctx: [ctx.python, "benchmarks/scaler_overhead.py", "--json",
                              ctx.path("e-scaler.json")]
@@ -125,7 +127,7 @@ PARTS: list[Part] = [
                     "unscale throughput within 10% of torch's (100M elements)")),
     ),
     Part(
-        name="e-autocast", priority=51, estimate_s=30, timeout_s=180,
+        name="e-autocast", priority=51, estimate_s=20, timeout_s=180,
         title="autocast overhead on the GPU-bound 3x4096 MLP at batch 8192",
         command=lambda ctx: [ctx.python, "benchmarks/autocast_overhead.py", "--workloads",
                              "gpu-bound", "--json", ctx.path("e-autocast.json")]
@@ -136,7 +138,7 @@ PARTS: list[Part] = [
                     "GPU-bound autocast within 2% of torch.autocast"),),
     ),
     Part(
-        name="f-opt-levels", priority=60, estimate_s=60, timeout_s=300,
+        name="f-opt-levels", priority=60, estimate_s=45, timeout_s=300,
         title="opt_levels.py on GPT-2 small: time and peak memory per level vs torch.amp",
         command=lambda ctx: [ctx.python, "benchmarks/opt_levels.py", "--json", ctx.path("f.json")]
         + ([*_SMOKE_CPU, "--steps", "1", "--warmup", "1", "--batch", "2"] if ctx.smoke else []),
@@ -146,7 +148,7 @@ PARTS: list[Part] = [
                     "peak memory <= torch.amp on every row (O1-O3, GPT-2 small)")),
     ),
     Part(
-        name="g-watch", priority=70, estimate_s=90, timeout_s=300,
+        name="g-watch", priority=70, estimate_s=75, timeout_s=300,
         title="the watch's cost on CUDA (no watch / ops=False / ops=True), no sync allowed",
         command=lambda ctx: [ctx.python, "benchmarks/watch_overhead.py", "--json",
                              ctx.path("g-watch.json")]
@@ -155,7 +157,7 @@ PARTS: list[Part] = [
         extract=ex.extract_watch,
     ),
     Part(
-        name="g-nan", priority=71, estimate_s=60, timeout_s=240,
+        name="g-nan", priority=71, estimate_s=35, timeout_s=240,
         title="examples/resnet50_fp16_nan.py: fp16 vs bf16 at lr 0.1, with the watch",
         command=lambda ctx: [ctx.python, "examples/resnet50_fp16_nan.py", "--json",
                              ctx.path("g-nan.json")]
@@ -164,7 +166,7 @@ PARTS: list[Part] = [
         extract=ex.extract_nan,
     ),
     Part(
-        name="i-graph-amp", priority=75, estimate_s=180, timeout_s=420,
+        name="i-graph-amp", priority=75, estimate_s=150, timeout_s=420,
         title="graph-level AMP (mixprec.compile) vs torch.autocast + compile, inductor: "
         "GPT-2-like, Linear-LayerNorm ping-pong, Llama",
         command=lambda ctx: [ctx.python, "benchmarks/graph_amp.py", "--json",
@@ -176,7 +178,7 @@ PARTS: list[Part] = [
                     "mixprec.compile <= 1.0x torch.autocast + compile (GPT-2-like, time)"),),
     ),
     Part(
-        name="j-ddp", priority=76, estimate_s=60, timeout_s=240,
+        name="j-ddp", priority=76, estimate_s=25, timeout_s=240,
         title="TrainStep under DDP: the whole step, DDP's all-reduce included, one CUDA graph",
         command=lambda ctx: [ctx.python, "benchmarks/ddp_trainstep.py", "--json",
                              ctx.path("j-ddp.json")]
@@ -188,7 +190,7 @@ PARTS: list[Part] = [
                     "DDP step captured, equal to eager, ranks agree (TrainStep ddp=True)"),),
     ),
     Part(
-        name="k-fsdp-memory", priority=77, estimate_s=60, timeout_s=240,
+        name="k-fsdp-memory", priority=77, estimate_s=35, timeout_s=240,
         title="memory per rank under FSDP2: fp32, FSDP2's policy, mixprec O2",
         command=lambda ctx: [ctx.python, "benchmarks/fsdp_memory.py", "--json",
                              ctx.path("k-fsdp.json")]
@@ -211,7 +213,7 @@ PARTS: list[Part] = [
             goals=goals,
         )
         for i, (part, est, limit, title, goals) in enumerate((
-            ("gemm", 60, 300, "FP8 GEMM and layer forward+backward vs bf16, GPT-2-medium shapes",
+            ("gemm", 20, 300, "FP8 GEMM and layer forward+backward vs bf16, GPT-2-medium shapes",
              (Goal("FP8 GEMM speed-up, large shapes (min)", ">=", 1.3,
                    "FP8 GEMM >= 1.3x bf16 (MLP up/down, GPT-2 medium)"),)),
             ("step", 480, 590, "GPT-2 small and medium step: FP8 TrainStep vs bf16 TrainStep vs "
