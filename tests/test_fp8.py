@@ -288,3 +288,36 @@ def test_recipes_are_named_frozen_and_printable():
         Fp8Recipe(grad_dtype="fp16")
     with pytest.raises(mixprec.PolicyError, match="no field 'window'"):
         RECIPES["delayed"].replace(window=4)
+
+
+@pytest.mark.parametrize("src", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_quantize_without_clamp_is_bitwise_the_saturating_cast_for_fitting_scales(src, fmt):
+    """The eager quantisation skips the clamp where the scale comes from the tensor's own amax
+    (a pass less); the bits must equal the clamped fp32 formula, also where the rounded
+    product lands just above fmax, for tensorwise and rowwise scales and non-finite inputs."""
+    from mixprec.fp8.numerics import amax, quantize, scale_from_amax
+    from mixprec.fp8.recipe import fp8_max
+
+    fmax = fp8_max(fmt)
+    g = torch.Generator().manual_seed(0)
+
+    def reference(t, scale):  # the formula as written: fp32 copy, scale, clamp, cast
+        return t.to(torch.float32, copy=True).mul_(scale).clamp_(-fmax, fmax).to(fmt)
+
+    cases = [torch.randn(64, 96, generator=g) * 10 ** torch.randint(-6, 6, (64, 1), generator=g)]
+    odd = torch.rand(64, 96, generator=g) * 3 + 1  # amaxes whose scale rounds up
+    odd[:, 0] = torch.linspace(1, 3, 64)
+    cases += [odd, torch.zeros(8, 8), torch.full((4, 4), 1e-20)]
+    bad = torch.randn(16, 16, generator=g)
+    bad[3, 4], bad[7, 1] = float("inf"), float("nan")
+    cases.append(bad)
+    for t in (c.to(src) for c in cases):
+        for p2 in (False, True):
+            scale = scale_from_amax(amax(t), fmax, p2)
+            ref = reference(t, scale).view(torch.uint8)
+            assert torch.equal(quantize(t, scale, fmt, fmax, False).view(torch.uint8), ref)
+            assert torch.equal(quantize(t, scale, fmt, fmax).view(torch.uint8), ref)
+            rows = scale_from_amax(amax(t, dim=1), fmax, p2)
+            ref_rows = reference(t, rows).view(torch.uint8)
+            assert torch.equal(quantize(t, rows, fmt, fmax, False).view(torch.uint8), ref_rows)

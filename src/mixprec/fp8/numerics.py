@@ -11,9 +11,9 @@ Conventions (the ones ``torch._scaled_mm`` uses):
 
 Everything here is a tensor op: no value is read back to the host, so these functions can run
 inside a captured CUDA graph. Costs per quantised operand: one read for the amax (a single
-reduction: ``vector_norm(t, inf)`` on a GPU, ``aminmax`` on the CPU) and one fused-by-nothing
-pass for scale, clamp and cast in eager mode (three elementwise kernels; the GPU benchmark
-measures what that costs). The matmul's path is `mixprec.fp8.gemm`'s.
+reduction: ``vector_norm(t, inf)`` on a GPU, ``aminmax`` on the CPU) and, in eager mode, an
+fp32 product, a clamp (only where the scale may not fit the tensor: true delayed scaling) and
+the cast: two or three elementwise kernels (the GPU benchmark measures what that costs). The matmul's path is `mixprec.fp8.gemm`'s.
 """
 
 from __future__ import annotations
@@ -77,16 +77,28 @@ def scale_from_amax(
     return scale
 
 
-def quantize(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, fmax: float) -> torch.Tensor:
+def quantize(
+    t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, fmax: float, saturate: bool = True
+) -> torch.Tensor:
     """``clamp(t * scale, -fmax, fmax).to(dtype)`` computed in fp32: a saturating cast.
 
     The product is formed in fp32 (not in `t`'s dtype) so that the value is rounded once, by the
     cast to FP8, as the fp64 reference in the tests assumes. Saturation maps anything beyond
     +-fmax to +-fmax, so the cast never produces an inf; NaN stays NaN.
+
+    ``saturate=False`` skips the clamp, for a `scale` at most ``fmax / amax(t)`` (computed from
+    `t`'s own amax, or smaller): then every ``|t * scale|`` is at most fmax times (1 + 2 ulp),
+    which the cast rounds to fmax anyway, so the bits are the same with one pass less.
     """
-    # One fp32 temporary, scaled and clamped in place (three passes, one allocation).
-    q = t.to(torch.float32, copy=True)
-    return q.mul_(scale).clamp_(-fmax, fmax).to(dtype)
+    if t.dim() == 0:
+        q = t.to(torch.float32, copy=True).mul_(scale)
+    else:
+        # A 1-element scale with a dimension (not 0-dim) takes part in type promotion: the
+        # product comes out in fp32 from `t` as it is, in one pass (no fp32 copy of `t` first).
+        q = t * (scale.reshape(1) if scale.dim() == 0 else scale)
+    if saturate:
+        q.clamp_(-fmax, fmax)
+    return q.to(dtype)
 
 
 def inverse(scale: torch.Tensor) -> torch.Tensor:

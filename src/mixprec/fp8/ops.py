@@ -80,11 +80,12 @@ def _quantize(t: Tensor, dim: int | None, delayed: Tensor, fmax: float, dtype: t
             return q, inverse(scale), t_amax, scale
         t_amax = amax(t)
         scale = _scale(t_amax, delayed, fmax, flags)
-        return quantize(t, scale, dtype, fmax), inverse(scale), t_amax, scale
+        # A scale from t's own amax (or below it) fits t: no clamp needed (see `quantize`).
+        return quantize(t, scale, dtype, fmax, False), inverse(scale), t_amax, scale
     rows = amax(t, dim=dim)
     scale = scale_from_amax(rows, fmax, flags[2])
     t_amax = rows.amax()
-    return quantize(t, scale, dtype, fmax), inverse(scale), t_amax, scale.amin()
+    return quantize(t, scale, dtype, fmax, False), inverse(scale), t_amax, scale.amin()
 
 
 @torch.library.custom_op("mixprec::fp8_linear", mutates_args=())
