@@ -13,7 +13,8 @@ Everything here is a tensor op: no value is read back to the host, so these func
 inside a captured CUDA graph. Costs per quantised operand: one read for the amax (a single
 reduction: ``vector_norm(t, inf)`` on a GPU, ``aminmax`` on the CPU) and, in eager mode, an
 fp32 product, a clamp (only where the scale may not fit the tensor: true delayed scaling) and
-the cast: two or three elementwise kernels (the GPU benchmark measures what that costs). The matmul's path is `mixprec.fp8.gemm`'s.
+the cast: two or three elementwise kernels (the GPU benchmark measures what that costs). The
+matmul's path is `mixprec.fp8.gemm`'s.
 """
 
 from __future__ import annotations
