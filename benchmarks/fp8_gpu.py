@@ -7,7 +7,8 @@ Three parts, side by side in one run:
    shape: the bf16 matmul against ``torch._scaled_mm`` on e4m3 operands (tensorwise, fast
    accumulation; and rowwise), the GEMM alone; then a whole layer, forward and backward:
    ``nn.Linear`` in bf16 against ``Fp8Linear`` (quantisation of input, weight and gradient
-   included), per recipe.
+   included), per recipe; where the quantisation runs compiled (`mixprec.fp8.fused`, CUDA),
+   also with it forced eager (``layer_fp8_<recipe>_eager_quantize_ms``).
 2. ``step``: GPT-2 small and medium (batch 8, T 1024, AdamW fused), one training step as
    ``mixprec.TrainStep`` in bf16, the same with FP8 layers (per recipe), each with and without
    ``compile``, and torch.amp bf16 + ``torch.compile(model)`` as torch's own route. ms/step
@@ -56,7 +57,7 @@ from mixprec._compat import scaled_mm_available
 from mixprec.bench.data import token_stream
 from mixprec.bench.models import GPT, GPTConfig
 from mixprec.bench.report import metadata
-from mixprec.fp8 import RECIPES, Fp8Linear, Fp8Recipe
+from mixprec.fp8 import RECIPES, Fp8Linear, Fp8Recipe, fused
 
 GOAL_GEMM, GOAL_STEP = 1.3, 1.15
 MEDIUM = GPTConfig(n_layer=24, n_head=16, n_embd=1024)
@@ -137,6 +138,17 @@ def bench_gemm(device: str, tokens: int, d: int, recipes: list[str], iters: int,
             ms = time_ms(_layer_step(fp8_layer, xg, g), device, iters, rounds)
             row[f"layer_fp8_{recipe}_ms"] = ms
             row[f"layer_speedup_{recipe}"] = row["layer_bf16_ms"] / ms
+            row[f"layer_fp8_{recipe}_quantize"] = fused.quantize_mode() + (
+                " (compiled)" if fused.use_compiled(xg) else " (eager)")  # fmt: skip
+            if fused.use_compiled(xg):  # the eager quantisation too, for comparison
+                mode = fused.quantize_mode()
+                fused.set_quantize_mode("eager")
+                try:
+                    ms = time_ms(_layer_step(fp8_layer, xg, g), device, iters, rounds)
+                finally:
+                    fused.set_quantize_mode(mode)
+                row[f"layer_fp8_{recipe}_eager_quantize_ms"] = ms
+                row[f"layer_speedup_{recipe}_eager_quantize"] = row["layer_bf16_ms"] / ms
         rows.append(row)
         print(f"gemm {name}: bf16 {bf16:.3f} ms, fp8 {fp8:.3f} ms ({bf16 / fp8:.2f}x), layer "
               + ", ".join(f"{r} {row[f'layer_speedup_{r}']:.2f}x" for r in recipes),

@@ -321,3 +321,54 @@ def test_quantize_without_clamp_is_bitwise_the_saturating_cast_for_fitting_scale
             rows = scale_from_amax(amax(t, dim=1), fmax, p2)
             ref_rows = reference(t, rows).view(torch.uint8)
             assert torch.equal(quantize(t, rows, fmt, fmax, False).view(torch.uint8), ref_rows)
+
+
+@pytest.mark.compile
+def test_compiled_quantisation_has_the_eager_bits_and_does_not_recompile_per_shape():
+    """`mixprec.fp8.fused` compiles the quantisation (amax, scale, cast) into two kernels on
+    CUDA; the values must be the eager formula's, non-finite inputs included. Inductor's CPU
+    backend checks the traced formula here (the GPU's code generator in test_fp8_cuda.py)."""
+    from mixprec.fp8 import fused, ops
+    from mixprec.fp8.recipe import fp8_max
+
+    g = torch.Generator().manual_seed(0)
+    delayed = torch.tensor(30.0)
+    cases = [(None, (True, False, False), E4M3), (1, (False, False, True), E5M2)]
+    try:
+        for dim, flags, fmt in cases:
+            fmax = fp8_max(fmt)
+            for rows in (64, 37):  # a second token count: dynamic shapes, no recompile
+                t = (torch.randn(rows, 96, generator=g) * 5).to(torch.bfloat16)
+                t[3, 5], t[7, 1] = float("inf"), float("nan")
+                fused.set_quantize_mode("eager")
+                want = ops._q(t, dim, delayed, fmax, fmt, flags)
+                fused.set_quantize_mode("compiled")
+                with torch._dynamo.config.patch(error_on_recompile=rows == 37):
+                    got = ops._q(t, dim, delayed, fmax, fmt, flags)
+                for a, b in zip(want, got, strict=True):
+                    # NaN where the eager result is NaN (its sign bit may differ: x86's
+                    # default NaN is negative), the same bits everywhere else.
+                    nan = a.float().isnan()
+                    assert torch.equal(nan, b.float().isnan())
+                    if a.dtype == fmt:
+                        a, b = a.view(torch.uint8), b.view(torch.uint8)
+                    assert torch.equal(a[~nan], b[~nan])
+        assert fused.failures() == {}
+    finally:
+        fused.set_quantize_mode(None)
+
+
+def test_quantisation_mode_is_checked_and_auto_keeps_the_cpu_eager(monkeypatch):
+    from mixprec.fp8 import fused
+
+    with pytest.raises(mixprec.PolicyError, match="'auto', 'compiled' or 'eager'"):
+        fused.set_quantize_mode("fast")
+    fused.set_quantize_mode(None)
+    assert fused.quantize_mode() == "auto" and not fused.use_compiled(torch.ones(2))
+    monkeypatch.setattr(fused, "_MODE", [])
+    monkeypatch.setenv(fused.ENV, "Eager")
+    assert fused.quantize_mode() == "eager"
+    monkeypatch.setattr(fused, "_MODE", [])
+    monkeypatch.setenv(fused.ENV, "jit")
+    with pytest.raises(mixprec.PolicyError, match=fused.ENV):
+        fused.quantize_mode()

@@ -38,6 +38,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from mixprec.fp8 import fused
 from mixprec.fp8.numerics import amax, fp8_amax, inverse, quantize, scale_from_amax, scaled_mm
 from mixprec.fp8.recipe import E4M3, E5M2, fp8_max
 
@@ -88,6 +89,11 @@ def _quantize(t: Tensor, dim: int | None, delayed: Tensor, fmax: float, dtype: t
     return quantize(t, scale, dtype, fmax, False), inverse(scale), t_amax, scale.amin()
 
 
+def _q(t: Tensor, *args: object) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    # `_quantize`, compiled into two kernels where `mixprec.fp8.fused` says so.
+    return fused.run(_quantize, t, *args)
+
+
 @torch.library.custom_op("mixprec::fp8_linear", mutates_args=())
 def fp8_linear(
     x: Tensor,
@@ -122,9 +128,9 @@ def fp8_linear(
     flags = (delayed, saturate, power_of_two)
     with _plain():
         dim = 1 if rowwise else None
-        qx, inv_x, ax, sx = _quantize(x, dim, scales[0], _E4M3_MAX, E4M3, flags)
+        qx, inv_x, ax, sx = _q(x, dim, scales[0], _E4M3_MAX, E4M3, flags)
         if wq is None:
-            qw, inv_w, aw, sw = _quantize(w, dim, scales[1], _E4M3_MAX, E4M3, flags)
+            qw, inv_w, aw, sw = _q(w, dim, scales[1], _E4M3_MAX, E4M3, flags)
             gemm_w, kept = qw, qw
         else:
             assert wq_inv is not None and wq_stats is not None
@@ -180,15 +186,15 @@ def fp8_linear_backward(
         if rowwise:
             # grad_input = g @ w reduces over N: g per row, w per column; grad_weight = g.T @ x
             # reduces over M: g per column, x per column. Rowwise GEMMs write bf16.
-            qg, inv_g, ag, sg = _quantize(g, 1, scales[2], gmax, gdt, flags)
-            qw, inv_wc, _, _ = _quantize(w, 0, scales[1], _E4M3_MAX, E4M3, flags)
+            qg, inv_g, ag, sg = _q(g, 1, scales[2], gmax, gdt, flags)
+            qw, inv_wc, _, _ = _q(w, 0, scales[1], _E4M3_MAX, E4M3, flags)
             grad_x = scaled_mm(qg, qw, inv_g, inv_wc, torch.bfloat16, emulate=emulate)
-            qg_c, inv_gc, _, _ = _quantize(g, 0, scales[2], gmax, gdt, flags)
-            qx, inv_xc, _, _ = _quantize(x, 0, scales[0], _E4M3_MAX, E4M3, flags)
+            qg_c, inv_gc, _, _ = _q(g, 0, scales[2], gmax, gdt, flags)
+            qx, inv_xc, _, _ = _q(x, 0, scales[0], _E4M3_MAX, E4M3, flags)
             grad_w = scaled_mm(qg_c.t(), qx, inv_gc.reshape(-1, 1), inv_xc, torch.bfloat16,
                                emulate=emulate)  # fmt: skip
         else:
-            qg, inv_g, ag, sg = _quantize(g, None, scales[2], gmax, gdt, flags)
+            qg, inv_g, ag, sg = _q(g, None, scales[2], gmax, gdt, flags)
             grad_x = scaled_mm(qg, w, inv_g, inv_w, x_dtype, emulate=emulate)
             grad_w = scaled_mm(qg.t(), x, inv_g, inv_x, w_dtype, emulate=emulate)
         grad_stats.copy_(torch.stack([torch.maximum(grad_stats[0], ag), sg]))
