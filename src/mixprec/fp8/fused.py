@@ -24,6 +24,7 @@ processes faster). Shapes are dynamic, so a new token count does not recompile. 
 from __future__ import annotations
 
 import os
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -42,7 +43,7 @@ MODES = ("auto", "compiled", "eager")
 ENV = "MIXPREC_FP8_QUANTIZE"
 
 _MODE: list[str] = []  # [] until the environment was read
-_COMPILED: dict[Callable[..., Any], Callable[..., Any]] = {}
+_COMPILED: dict[tuple[Any, ...], Callable[..., Any]] = {}  # (fn, constants) -> compiled
 _SEEN: set[tuple[Any, ...]] = set()  # variants compiled so far (safe to call while capturing)
 _FAILED: dict[tuple[Any, ...], str] = {}  # variants that would not compile -> why
 
@@ -86,27 +87,37 @@ def use_compiled(t: Tensor) -> bool:
     return t.is_cuda and _triton()
 
 
+def _variant(fn: Callable[..., Any], constants: tuple[Any, ...]) -> Callable[..., Any]:
+    """`fn` compiled for one set of recipe constants: a copy of its code object of its own, so
+    that each variant has its own dynamo cache (and recompile limit), not one shared by all."""
+    compiled = _COMPILED.get((fn, constants))
+    if compiled is None:
+        code = fn.__code__.replace(co_name=f"{fn.__name__}_{len(_COMPILED)}")
+        copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__,
+                                  fn.__closure__)  # fmt: skip
+        compiled = _COMPILED[(fn, constants)] = torch.compile(copy, dynamic=True, fullgraph=True)
+    return compiled
+
+
 def run(fn: Callable[..., Any], t: Tensor, *args: Any) -> Any:
     """``fn(t, *args)``, compiled (dynamic shapes, one graph) or eager per `use_compiled`.
 
-    `args` are the recipe's constants and scale tensors; the compiled function specialises on
-    the constants, so each recipe is one variant.
+    `args` are the recipe's constants and scale tensors; each set of constants is one compiled
+    variant. `t` is passed detached (an op's body needs no autograd): a parameter and an
+    activation that requires grad are then the same variant.
     """
     if not use_compiled(t):
         return fn(t, *args)
-    key = (fn, t.dtype, t.device.type, t.dim(), t.is_contiguous(),
-           *(a if not isinstance(a, Tensor) else (a.dtype, a.dim()) for a in args))  # fmt: skip
-    if key not in _SEEN and capturing():
-        return fn(t, *args)  # a first compile cannot happen inside a CUDA graph capture
-    if key in _FAILED:
+    constants = tuple(a for a in args if not isinstance(a, Tensor))
+    key = (fn, t.dtype, t.device.type, t.dim(), t.is_contiguous(), constants)
+    if key in _FAILED or (key not in _SEEN and capturing()):
+        # A first compile cannot happen inside a CUDA graph capture.
         return fn(t, *args)
-    compiled = _COMPILED.get(fn)
-    if compiled is None:
-        compiled = _COMPILED[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
+    compiled = _variant(fn, constants)
     if key in _SEEN:
-        return compiled(t, *args)
+        return compiled(t.detach(), *args)
     try:  # the first call of a variant compiles it
-        out = compiled(t, *args)
+        out = compiled(t.detach(), *args)
     except Exception as err:  # any compile failure: the eager kernels still work
         _FAILED[key] = f"{type(err).__name__}: {err}"[:300]
         warnings.warn(
