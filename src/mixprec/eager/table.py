@@ -134,6 +134,12 @@ class DispatchTable:
         # them, which fails on the frame that created the guard.
         for fn in [fn for fn in self._memo if not _guardable(fn)]:
             self.late[fn] = self._memo.pop(fn)
+        #: The distinct rules of `memo`, in a fixed order: what torch.compile traces reads (by
+        #: index, see `traced_rule_index`) instead of the memo itself.
+        self.traced_rules: tuple[Any, ...] = tuple(
+            {id(r): r for r in self._memo.values() if r is not None}.values()
+        )
+        self._traced_index = {id(r): i for i, r in enumerate(self.traced_rules)}
 
     def _rule(
         self,
@@ -298,6 +304,25 @@ def _handle_by_value(regions: tuple[Region, ...]) -> int:
         _TABLES.append(table)
         handle = table.handle = _HANDLES[regions] = len(_TABLES) - 1
     return handle
+
+
+@mark_constant_result
+def traced_rule_index(table: DispatchTable, func: Any) -> int:
+    """Where ``table.memo.get(func, MISS)`` is in ``table.traced_rules``: -1 for None (pass
+    through), -2 for MISS.
+
+    torch.compile calls this once per traced call and bakes the int in, guarded by the table's
+    identity alone (tables and their memos never change once built). A traced
+    ``memo.get(func)`` would instead guard every key of the memo (about 1,400 EQUALS_MATCH
+    guards), evaluated on every call of the compiled function.
+    """
+    try:
+        rule = table.memo.get(func, MISS)
+    except TypeError:  # unhashable
+        return -2
+    if rule is None:
+        return -1
+    return -2 if rule is MISS else table._traced_index[id(rule)]
 
 
 # torch.compile calls this at trace time and bakes the returned int into the graph, so table
