@@ -153,3 +153,16 @@ def test_the_report_says_which_path_each_layer_took():
     emulated(torch.randn(4, 32))
     (row,) = mixprec.fp8_report(emulated).layers
     assert row.gemm == "emulate (recipe)" and row.formats == "e4m3 x e4m3, grad e4m3"
+
+
+def test_the_report_says_how_the_quantisation_runs():
+    from mixprec.fp8 import fused
+
+    layer = Fp8Linear(32, 48, recipe="tensorwise")
+    assert mixprec.fp8_report(layer).layers[0].quantize == "eager"  # CPU: auto keeps eager
+    assert "(quantisation: eager)" in str(mixprec.fp8_report(layer))
+    fused.set_quantize_mode("compiled")
+    try:
+        assert mixprec.fp8_report(layer).layers[0].quantize == "compiled"
+    finally:
+        fused.set_quantize_mode(None)

@@ -10,7 +10,9 @@ What the numbers mean, per operand (input, weight, output gradient):
   ``measure_error`` is on (`mixprec.explain` and ``watch_nonfinite(fp8_error=True)`` do that);
 - *formats*: the FP8 formats of the operands (inputs and weights e4m3; gradients the recipe's);
 - *gemm*: which path the layer's products took on its last batch (`mixprec.fp8.gemm`:
-  ``scaled_mm`` or ``emulate``, measured per machine), ``not run`` before its first forward.
+  ``scaled_mm`` or ``emulate``, measured per machine), ``not run`` before its first forward;
+- *quantize*: how its operands are quantised (`mixprec.fp8.fused`): ``compiled`` (two kernels
+  per operand, CUDA) or ``eager`` (separate elementwise kernels).
 
 The relative error of an e4m3 product is about 2-4% for well-scaled operands (each e4m3 value
 carries a relative rounding error of up to 2**-4); a layer that stays above `LARGE_ERROR` is a
@@ -29,7 +31,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from mixprec.fp8 import gemm
+from mixprec.fp8 import fused, gemm
 from mixprec.fp8.convert import fp8_layers
 from mixprec.fp8.linear import Fp8Linear
 from mixprec.fp8.recipe import Fp8Recipe, format_name
@@ -54,6 +56,7 @@ class Fp8LayerStats:
     error: float | None
     formats: str = "e4m3 x e4m3, grad e5m2"
     gemm: str = "not run"
+    quantize: str = "eager"
 
     @property
     def large_error(self) -> bool:
@@ -104,7 +107,8 @@ class Fp8Report:
             return "no FP8 layers (mixprec.to_fp8 or initialize(..., fp8=...) converts them)"
         head = (f"{'layer':<28} {'recipe':<11} {'formats in/w/grad':<18} {'scale in/w/grad':<29} "
                 f"{'amax in/w/grad':<29} {'error':<7} gemm")  # fmt: skip
-        lines = [f"FP8 layers: {len(self.layers)}", head]
+        modes = sorted({s.quantize for s in self.layers})
+        lines = [f"FP8 layers: {len(self.layers)} (quantisation: {', '.join(modes)})", head]
         for s in self.layers:
             err = "-" if s.error is None else f"{s.error:.2%}"
             fmts = s.formats.replace(" x ", "/").replace(", grad ", "/")
@@ -149,6 +153,7 @@ def fp8_report(model: nn.Module) -> Fp8Report:
             scale=tuple(v[0:3]), delayed_scale=tuple(v[3:6]), amax=tuple(v[6:9]),
             window_amax=tuple(v[9:12]), error=None if math.isnan(v[12]) else v[12],
             formats=formats(m.fp8_recipe), gemm=gemm_summary(m),
+            quantize="compiled" if fused.use_compiled(m.weight) else "eager",
         ))  # fmt: skip
     return Fp8Report(out)
 
