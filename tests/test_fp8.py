@@ -296,7 +296,7 @@ def test_quantize_without_clamp_is_bitwise_the_saturating_cast_for_fitting_scale
     """The eager quantisation skips the clamp where the scale comes from the tensor's own amax
     (a pass less); the bits must equal the clamped fp32 formula, also where the rounded
     product lands just above fmax, for tensorwise and rowwise scales and non-finite inputs."""
-    from mixprec.fp8.numerics import amax, quantize, scale_from_amax
+    from mixprec.fp8.numerics import _fp32_product, amax, quantize, scale_from_amax
     from mixprec.fp8.recipe import fp8_max
 
     fmax = fp8_max(fmt)
@@ -321,6 +321,11 @@ def test_quantize_without_clamp_is_bitwise_the_saturating_cast_for_fitting_scale
             rows = scale_from_amax(amax(t, dim=1), fmax, p2)
             ref_rows = reference(t, rows).view(torch.uint8)
             assert torch.equal(quantize(t, rows, fmt, fmax, False).view(torch.uint8), ref_rows)
+            # the GPU's one-pass product (type promotion) gives the CPU's two-pass bits
+            for s in (scale, rows):
+                one = _fp32_product(t, s, one_pass=True)
+                assert one.dtype == torch.float32
+                assert torch.equal(one.nan_to_num(7.0), _fp32_product(t, s, False).nan_to_num(7.0))
 
 
 @pytest.mark.compile

@@ -91,15 +91,21 @@ def quantize(
     `t`'s own amax, or smaller): then every ``|t * scale|`` is at most fmax times (1 + 2 ulp),
     which the cast rounds to fmax anyway, so the bits are the same with one pass less.
     """
-    if t.dim() == 0:
-        q = t.to(torch.float32, copy=True).mul_(scale)
-    else:
-        # A 1-element scale with a dimension (not 0-dim) takes part in type promotion: the
-        # product comes out in fp32 from `t` as it is, in one pass (no fp32 copy of `t` first).
-        q = t * (scale.reshape(1) if scale.dim() == 0 else scale)
+    q = _fp32_product(t, scale, one_pass=not t.is_cpu and t.dim() > 0)
     if saturate:
         q.clamp_(-fmax, fmax)
     return q.to(dtype)
+
+
+def _fp32_product(t: torch.Tensor, scale: torch.Tensor, one_pass: bool) -> torch.Tensor:
+    """``t * scale`` as a new fp32 tensor, rounded once (`t` converted exactly first)."""
+    if one_pass:
+        # A 1-element scale with a dimension (not 0-dim) takes part in type promotion: a GPU
+        # kernel reads `t` as it is and writes the fp32 product, in one pass (no fp32 copy).
+        return t * (scale.reshape(1) if scale.dim() == 0 else scale)
+    # The CPU's elementwise kernels take one dtype: a mixed-dtype product would copy `t` to
+    # fp32 first anyway, plus a second fp32 buffer for the result.
+    return t.to(torch.float32, copy=True).mul_(scale)
 
 
 def inverse(scale: torch.Tensor) -> torch.Tensor:
