@@ -23,6 +23,7 @@ processes faster). Shapes are dynamic, so a new token count does not recompile. 
 
 from __future__ import annotations
 
+import functools
 import os
 import types
 import warnings
@@ -69,7 +70,9 @@ def set_quantize_mode(mode: str | None) -> None:
     _MODE[:] = [_check("auto" if mode is None else mode, "set_quantize_mode")]
 
 
+@functools.cache
 def _triton() -> bool:
+    # Asked on every quantisation of a CUDA operand: a failed import is not cheap, so once.
     try:
         import triton  # noqa: F401
     except ImportError:
