@@ -623,15 +623,27 @@ def test_unscale_impls_agree_bitwise():
     assert all(torch.equal(a, b) for a, b in zip(grads["foreach"], grads["torch"], strict=True))
 
 
-def test_optimizer_without_gradients_steps_cleanly():
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_step_without_gradients_is_refused_and_changes_nothing(fused):
+    """torch.amp's GradScaler raises ("No inf checks were recorded") where the optimizer has no
+    gradient, e.g. a forgotten backward: counting that step as clean would grow the scale on no
+    evidence while nothing trains. mixprec refuses it before any change, naming the fix."""
     model = torch.nn.Linear(2, 2)
-    scaler = mixprec.GradScaler("cpu")
-    for opt in (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                torch.optim.Adam(model.parameters(), fused=True)):  # fmt: skip
-        scaler.scale(torch.tensor(1.0, requires_grad=True)).backward()
+    opt = (torch.optim.Adam(model.parameters(), fused=True) if fused
+           else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))  # fmt: skip
+    scaler = mixprec.GradScaler("cpu", growth_interval=1)
+    before = [p.detach().clone() for p in model.parameters()]
+    x = torch.randn(4, 2)
+    scaler.scale(model(x).sum())  # no backward
+    with pytest.raises(mixprec.ScalerStateError, match=r"no gradient.*scale\(loss\)\.backward\(\)"):
         scaler.step(opt)
-        scaler.update()
-    assert scaler.get_scale() == 2.0**16
+    assert scaler.get_scale() == 2.0**16 and not opt.state
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    # Nothing was half done: the same iteration, with its backward, steps and grows the scale.
+    scaler.scale(model(x).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 2.0**17 and opt.state
 
 
 def test_scaled_block_restores_gradients_when_backward_fails():

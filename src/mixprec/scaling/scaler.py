@@ -63,6 +63,24 @@ class ScalerStateError(MixprecError, RuntimeError):
     """A GradScaler method was called out of order (the message names the rule)."""
 
 
+def _check_has_grads(optimizer: torch.optim.Optimizer) -> None:
+    """Raise where no parameter of `optimizer` has a gradient: no overflow check can be made,
+    and a step counted as clean would grow the scale on no evidence (torch.amp's GradScaler
+    raises too: "No inf checks were recorded for this optimizer"). Stops at the first gradient,
+    so a normal step pays for one or two attribute reads."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                return
+    raise ScalerStateError(
+        "step(optimizer) found no gradient in any of the optimizer's parameters, so there is "
+        "nothing to check for overflow or to step (torch.amp raises 'No inf checks were "
+        "recorded for this optimizer' here). Call scaler.scale(loss).backward() before "
+        "scaler.step(optimizer); if optimizer.zero_grad() (set_to_none=True) runs between "
+        "backward and step, move it before the forward pass or after update()."
+    )
+
+
 class _Stage(enum.Enum):
     READY = 0
     UNSCALED = 1
@@ -517,6 +535,8 @@ class GradScaler:
             )
         guard = self._guard(optimizer)  # refuses LBFGS
         main = self._main_device()  # before any change: raises if nothing was scaled yet
+        if not guard.keyword and id(optimizer) not in self._already_unscaled:
+            _check_has_grads(optimizer)
         if guard.keyword:
             result = contract.keyword_step(self, optimizer, args, kwargs)
             self._state(optimizer).stage = _Stage.STEPPED
