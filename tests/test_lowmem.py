@@ -9,6 +9,7 @@ uncompiled TrainStep (the compiled one must round identically: same counter-hash
 from __future__ import annotations
 
 import io
+import re
 
 import pytest
 import torch
@@ -681,3 +682,111 @@ def test_o2_deferred_gradients_step_exactly_as_moved_ones(micro_batches):
         runs.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(*runs, strict=True):
         assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------- fp16: the scale inside
+
+
+def _scaled_run(scaler_cls, dtype, weights, states, overflows=(0, 4), steps=7):
+    """A torch.amp-style loop on a low-memory optimizer; checks each skipped step on the way."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.ReLU(),
+                                torch.nn.Linear(96, 32)).to(dtype)  # fmt: skip
+    opt = LowMemAdamW(model.parameters(), lr=1e-2, weights=weights, states=states,
+                      min_quantized=1024)  # fmt: skip
+    scaler = scaler_cls("cpu", init_scale=2.0**10, growth_interval=3)
+    for i, (x, _) in enumerate(_batches(steps, overflows)):
+        x = torch.cat([x] * 4, 1).to(dtype)
+        scaler.scale(model(x).float().pow(2).mean()).backward()
+        before, had_state = _state_bits(opt), bool(opt.state)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        if i in overflows and had_state:
+            assert _bitwise(before, _state_bits(opt)), i  # weights, codes, comp, counters
+    return model, opt, scaler
+
+
+@pytest.mark.parametrize(("dtype", "weights", "states"), [
+    (torch.bfloat16, "stochastic", "8bit"), (torch.float16, "kahan", "8bit"),
+    (torch.float16, "kahan", "bf16"), (torch.float32, "nearest", "fp32"),
+])  # fmt: skip
+def test_a_scaler_hands_over_its_scale_and_the_skip_is_exact_with_torchs_scaler_too(
+    dtype, weights, states
+):
+    """torch's fused-optimizer contract: the scaler (mixprec's or torch's) sets grad_scale and
+    found_inf; the optimizer unscales in fp32 and skips by itself: no snapshot is held."""
+    ours = _scaled_run(mixprec.GradScaler, dtype, weights, states)
+    theirs = _scaled_run(torch.amp.GradScaler, dtype, weights, states)
+    assert _bitwise([p.detach() for p in ours[0].parameters()],
+                    [p.detach() for p in theirs[0].parameters()])  # fmt: skip
+    assert ours[2].get_scale() == theirs[2].get_scale()
+    steps = {float(s["step"]) for s in ours[1].state.values()}
+    assert steps == {5.0}  # 7 steps, 2 skipped (the first one created no state)
+    guard = ours[2]._known_guard(ours[1])
+    assert guard.mode.value == "fused" and guard.snapshot_bytes == 0
+
+
+def test_fp16_gradients_below_fp16s_range_still_move_the_weights():
+    """Scaled fp16 gradients of 2^-26 (below fp16's smallest subnormal, 2^-24, once unscaled):
+    unscaled in place they would be 0 and Adam would not move; divided by the scale in fp32
+    inside the update, Adam's first step moves each weight by lr, as fp32 Adam does."""
+    w = torch.nn.Parameter(torch.ones(64, 64, dtype=torch.float16))
+    ref = torch.nn.Parameter(torch.ones(64, 64))
+    opt = LowMemAdamW([w], lr=2**-4, weight_decay=0.0, weights="kahan")
+    ref_opt = torch.optim.AdamW([ref], lr=2**-4, weight_decay=0.0)
+    scaler = mixprec.GradScaler("cpu", init_scale=2.0**16)
+    scaler.scale((w.float() * 2**-26).sum()).backward()
+    assert w.grad.eq(2**-10).all()  # scaled: representable
+    ref.grad = torch.full_like(ref, 2**-26)
+    scaler.step(opt)
+    ref_opt.step()
+    torch.testing.assert_close(w.float(), ref.detach(), rtol=0, atol=1e-3)
+    assert w.lt(1.0).all()
+
+
+def test_o4_fp16_scales_the_loss_skips_exactly_and_refuses_to_clip_scaled_gradients():
+    opts = mixprec.describe("O4", dtype="fp16", master_weights="kahan")
+    assert re.search(r"loss_scale +\= dynamic .*inside its update", str(opts))
+    model = _mlp()
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = mixprec.initialize(model, adamw, "O4", dtype="fp16", master_weights="kahan")
+    assert opt.scaler is not None
+    for i, (x, y) in enumerate(_batches(6, overflows={3})):
+        opt.zero_grad()
+        with mixprec.scale_loss(F.cross_entropy(model(x.half()).float(), y), opt) as s:
+            s.backward()
+        if i == 2:
+            with pytest.raises(mixprec.MixprecError, match="still scaled.*dtype='bf16'"):
+                list(mixprec.master_params(opt))
+        before = _state_bits(opt)
+        opt.step()
+        if i == 3:
+            assert _bitwise(before, _state_bits(opt))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert opt.scaler.get_scale() == 2.0**15
+    # The torch.amp-style loop: unscale_ (for clipping) names the way that works.
+    scaler = mixprec.GradScaler("cpu")
+    scaler.scale(F.cross_entropy(model(x.half()).float(), y)).backward()
+    with pytest.raises(mixprec.MixprecError, match=r"without unscale_.*in fp32"):
+        scaler.unscale_(opt.optimizer)
+
+
+@pytest.mark.compile
+def test_o4_fp16_trainstep_compiled_matches_eager_and_skips_exactly():
+    overflows = {2, 5}
+    eager = _steps(False, dtype="fp16", master_weights="kahan")
+    step = _steps(FAST, dtype="fp16", master_weights="kahan")
+    for i, (x, y) in enumerate(_batches(7, overflows)):
+        before = _state_bits(step.optimizer)
+        want, got = eager(x, y), step(x, y)
+        if i in overflows:
+            assert _bitwise(before, _state_bits(step.optimizer)), i
+        if i > 0:
+            assert step.compiled, step.reason
+        torch.testing.assert_close(got, want, equal_nan=True)
+    # The compiled backward's fp16 gradients may differ from eager's by an fp16 ulp (another
+    # order of the same fp32 accumulations), which fp16 weights keep (bf16 rounding hid it).
+    for a, b in zip(step.model.parameters(), eager.model.parameters(), strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2**-10, atol=2**-13)
+    assert step.scaler.get_scale() == eager.scaler.get_scale() < 2.0**16

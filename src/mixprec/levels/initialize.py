@@ -396,5 +396,15 @@ def master_params(optimizer: AmpOptimizer) -> Iterator[torch.Tensor]:
             f"master_params expects an optimizer (one returned by mixprec.initialize), got "
             f"{type(optimizer).__name__}."
         )
+    scaler = getattr(optimizer, "scaler", None)
+    inner = getattr(optimizer, "optimizer", None)
+    if scaler is not None and id(inner) in getattr(scaler, "_deferred", {}):
+        raise UsageError(
+            f"master_params: the gradients of this {optimizer.options.level.value} optimizer "
+            f"are fp16 and still scaled (fp16 cannot hold them unscaled without losing their "
+            f"small values; {type(inner).__name__} divides them by the scale in fp32 inside "
+            f"its step), so they cannot be clipped here. Clip with dtype='bf16', or keep fp32 "
+            f"masters (opt_level='O2')."
+        )
     for group in optimizer.param_groups:  # an AmpOptimizer's moves a bf16 backward's grads
         yield from group["params"]

@@ -343,7 +343,11 @@ def resolve(
         raise ArgumentTypeError(f"seed={seed!r} must be an int.")
     default_scale: str | float = preset.loss_scale
     why_scale = "the preset"
-    if level is OptLevel.O4:
+    if level is OptLevel.O4 and low == torch.float16:
+        default_scale = "dynamic"
+        why_scale = ("fp16 gradients underflow below 6e-8 without scaling; the low-memory "
+                     "optimizer unscales them in fp32 inside its update")  # fmt: skip
+    elif level is OptLevel.O4:
         why_scale = "bf16 has fp32's exponent range: gradients do not underflow"
     elif preset.loss_scale == "dynamic" and low == torch.bfloat16:
         default_scale, why_scale = 1.0, "bf16 has fp32's exponent range: gradients do not underflow"
@@ -479,9 +483,10 @@ def _check(level, low, model_type, patch, keep_bn, master, loss_scale, min_ls, m
         )
     low_model = model_type is not None and model_type != torch.float32
     scaled = loss_scale == "dynamic" or float(loss_scale) != 1.0
-    # bf16 gradients unscale exactly (a power of two, fp32's exponent range): a bf16 model
-    # with low-memory weights may scale its loss (to exercise overflow skips, say).
-    if low_model and not master and scaled and not (low_weights and low == torch.bfloat16):
+    # Low-memory weights come with mixprec's low-memory optimizers, which take the scale
+    # themselves and divide the gradients by it in fp32 inside their update (torch's fused
+    # contract), so fp16 gradients lose nothing to unscaling.
+    if low_model and not master and scaled and not low_weights:
         raise UsageError(
             f"{level.value}: a {dtype_name(low)} model without master weights cannot use loss "
             f"scaling (loss_scale={loss_scale!r}): its gradients are {dtype_name(low)}, and a "

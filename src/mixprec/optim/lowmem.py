@@ -124,6 +124,19 @@ class LowMemOptimizer(torch.optim.Optimizer):
     #: mixprec's compiled TrainStep may hold ``lr`` as a 0-dim tensor (an LR schedule then
     #: never recompiles the step): this step reads it as a tensor or a float alike.
     accepts_tensor_lr = True
+    #: torch's fused-optimizer contract: a GradScaler (mixprec's or torch's) sets
+    #: ``grad_scale`` and ``found_inf`` for the duration of ``step()`` instead of unscaling
+    #: the gradients in place. The update divides by the scale in fp32 (fp16 gradients lose
+    #: nothing: unscaled in fp16 they would fall below fp16's range) and, where ``found_inf``
+    #: is set, writes every tensor back as it was (an exact skip, no snapshot, no sync).
+    _step_supports_amp_scaling = True
+
+    def _put(self, dst: torch.Tensor, value: torch.Tensor) -> None:
+        """``dst.copy_(value)``, or keep `dst` where the scaler's ``found_inf`` is set."""
+        skip = self._skipping[0]
+        if skip is not None:
+            value = torch.where(skip, dst, value.view(dst.shape))
+        dst.copy_(value.view(dst.shape))
 
     def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
         _check_choice("weights mode", defaults["weights"], WEIGHTS)
@@ -134,6 +147,10 @@ class LowMemOptimizer(torch.optim.Optimizer):
         if not isinstance(defaults["seed"], int) or isinstance(defaults["seed"], bool):
             raise ArgumentTypeError(f"seed={defaults['seed']!r} must be an int.")
         super().__init__(params, defaults)
+        # While a step runs under the scaler's contract: the 0-dim bool "skip this step". A
+        # list, mutated in place: an attribute set and read back within one traced step read
+        # as the class's default under dynamo (the skip vanished from the compiled update).
+        self._skipping: list[torch.Tensor | None] = [None]
         for group in self.param_groups:
             _check_choice("weights mode", group["weights"], WEIGHTS)
             _check_choice("states mode", group["states"], STATES)
@@ -215,14 +232,14 @@ class LowMemOptimizer(torch.optim.Optimizer):
                 state.pending[name] = codes.quantize_plane(value, group["block_size"], signed)
                 return
             q, absmax = codes.quantize(value, group["block_size"], signed)
-            held.copy_(q)
-            state[name + "_absmax"].copy_(absmax)
+            self._put(held, q)
+            self._put(state[name + "_absmax"], absmax)
         elif held.dtype == torch.bfloat16:
             key = (state["key"] ^ (_SALT * salt)) & _M32
             stream = counter_stream(key, state["step"])
-            held.copy_(stochastic_round(value, stream).view(held.shape))
+            self._put(held, stochastic_round(value, stream))
         else:
-            held.copy_(value.view(held.shape))
+            self._put(held, value)
 
     @staticmethod
     def _weight(group: dict[str, Any], p: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
@@ -235,64 +252,96 @@ class LowMemOptimizer(torch.optim.Optimizer):
                delta: torch.Tensor) -> None:  # fmt: skip
         """``p += delta`` (fp32 `delta`) in `p`'s dtype, by the group's weights mode."""
         if p.dtype == torch.float32:
-            p.add_(delta)
+            self._put(p, p + delta)
         elif group["weights"] == "kahan":
             new, comp = kahan_add(p, delta, state["comp"].view(p.shape))
-            p.copy_(new)
-            state["comp"].copy_(comp.view(state["comp"].shape))
+            self._put(p, new)
+            self._put(state["comp"], comp)
         elif group["weights"] == "stochastic":
             offset = state.offset if isinstance(state, _Plane) else 0
             stream = self._once(state, "stream",
                                 lambda: counter_stream(state["key"], state["step"]))  # fmt: skip
-            p.copy_(stochastic_round(p.float() + delta, stream, offset))
+            self._put(p, stochastic_round(p.float() + delta, stream, offset))
         elif group["weights"] == "split":
             weight, rest = split_master(join_master(p, state["lo"].view(p.shape)) + delta)
-            p.copy_(weight)
-            state["lo"].copy_(rest.view(state["lo"].shape))
+            self._put(p, weight)
+            self._put(state["lo"], rest)
         else:
-            p.copy_((p.float() + delta).to(p.dtype))
+            self._put(p, (p.float() + delta).to(p.dtype))
 
     # ------------------------------------------------------------------ the step
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         """One update of every parameter with a gradient. No host sync.
 
-        A `closure` is evaluated first (with gradients on), as torch's optimizers do.
+        A `closure` is evaluated first (with gradients on), as torch's optimizers do. Under a
+        GradScaler (``grad_scale`` and ``found_inf`` set by it, torch's fused-optimizer
+        contract) the gradients are divided by the scale in fp32, and a step with
+        ``found_inf`` set leaves every parameter and state tensor bitwise as it was (each
+        write becomes a ``torch.where``: one more elementwise pass per written tensor when
+        eager, fused into the update when compiled).
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        with torch.no_grad():
-            index = 0
-            for group in self.param_groups:
-                for param in group["params"]:
-                    index += 1
-                    if param.grad is None:
-                        continue
-                    p, grad = local_tensor(param), local_tensor(param.grad)
-                    if grad.is_sparse:
-                        raise PolicyError(
-                            f"{type(self).__name__} does not support sparse gradients; use "
-                            f"torch.optim.SparseAdam for sparse embeddings."
-                        )
-                    state = self.state[param]
-                    if not state:
-                        state.update(self._init_state(group, p, index))
-                    state["step"].add_(1)
-                    if p.is_contiguous() and grad.is_contiguous():
-                        # Elementwise from here: one flat index lets inductor vectorize the
-                        # blockwise reductions (a 2-D weight's rows and blocks did not line up
-                        # in its index arithmetic, and the loops stayed scalar).
-                        p, grad = p.view(-1), _flat(grad)
-                    g = grad.float()
-                    if group["maximize"]:
-                        g = -g
-                    if self._planewise(group, p):
-                        self._step_planes(group, p, g, state)
-                    else:
-                        self._update(group, p, g, state)
+        self.step_scaled(getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
         return loss
+
+    def step_scaled(self, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
+        """`step` with the scaler's contract as arguments: gradients divided by `grad_scale`
+        (0-dim, or None: already unscaled) in fp32; every write kept as it was where
+        `found_inf` (0-dim, or None) is set. What `step` calls with the attributes a scaler
+        set; mixprec's compiled TrainStep calls it directly (dynamo reads an attribute set
+        earlier in the same traced function as absent). No host sync.
+        """
+        # The reciprocal in fp64, as the scalers take it; exact for their powers of two.
+        inv = None if grad_scale is None else grad_scale.double().reciprocal().float()
+        if found_inf is None:
+            with torch.no_grad():
+                self._step_all(inv)
+            return
+        self._skipping[0] = found_inf > 0
+        try:
+            with torch.no_grad():
+                self._step_all(inv)
+        finally:
+            self._skipping[0] = None
+
+    def _step_all(self, inv: torch.Tensor | None) -> None:
+        """`step`'s body: every parameter with a gradient, its gradient times `inv` if given."""
+        index = 0
+        for group in self.param_groups:
+            for param in group["params"]:
+                index += 1
+                if param.grad is None:
+                    continue
+                p, grad = local_tensor(param), local_tensor(param.grad)
+                if grad.is_sparse:
+                    raise PolicyError(
+                        f"{type(self).__name__} does not support sparse gradients; use "
+                        f"torch.optim.SparseAdam for sparse embeddings."
+                    )
+                state = self.state[param]
+                if not state:
+                    state.update(self._init_state(group, p, index))
+                state["step"].add_(1)
+                if p.is_contiguous() and grad.is_contiguous():
+                    # Elementwise from here: one flat index lets inductor vectorize the
+                    # blockwise reductions (a 2-D weight's rows and blocks did not line up
+                    # in its index arithmetic, and the loops stayed scalar).
+                    p, grad = p.view(-1), _flat(grad)
+                g = grad.float() if inv is None else grad.float() * inv
+                if group["maximize"]:
+                    g = -g
+                if self._planewise(group, p):
+                    self._step_planes(group, p, g, state)
+                else:
+                    self._update(group, p, g, state)
+                skip = self._skipping[0]
+                if skip is not None:
+                    # A skipped step does not count (as torch's fused kernels do).
+                    state["step"].sub_(skip.to(state["step"].dtype))
 
     #: Update 8-bit parameters plane by plane: None (default) when compiling, or force it.
     planewise: bool | None = None
@@ -332,8 +381,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
                 value.copy_(torch.cat([plane[name] for plane in planes]).view(value.shape))
         for name in planes[0].pending:
             parts = [plane.pending[name] for plane in planes]
-            state[name].copy_(codes.pack([q for q, _ in parts]))
-            state[name + "_absmax"].copy_(torch.cat([absmax for _, absmax in parts]))
+            self._put(state[name], codes.pack([q for q, _ in parts]))
+            self._put(state[name + "_absmax"], torch.cat([absmax for _, absmax in parts]))
 
     def _update(self, group: dict[str, Any], p: torch.Tensor, g: torch.Tensor,
                 state: dict[str, Any]) -> None:  # fmt: skip

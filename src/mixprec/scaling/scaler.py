@@ -54,7 +54,13 @@ from mixprec.scaling.state import (
     update_scale_,
     updates_in_place,
 )
-from mixprec.scaling.unscale import IMPLS, check_finite_, group_grads, unscale_and_check_
+from mixprec.scaling.unscale import (
+    IMPLS,
+    Fp16GradientError,
+    check_finite_,
+    group_grads,
+    unscale_and_check_,
+)
 
 __all__ = ["GradScaler", "ScalerStateError", "SkipEvent"]
 
@@ -251,6 +257,7 @@ class GradScaler:
         self._guards: dict[int, StepGuard] = {}
         self._already_unscaled: set[int] = set()  # optimizers whose grads scaled() unscaled
         self._block_found: dict[int, torch.Tensor] = {}  # their overflows, from those blocks
+        self._deferred: dict[int, torch.Tensor] = {}  # optimizers that unscale themselves
 
     # ------------------------------------------------------------------ state on the device
 
@@ -377,15 +384,25 @@ class GradScaler:
             raise
         losses = self._ensure(loss.device)
         entry = losses[loss_id]
-        groups = group_grads(params)
+        # fp16 gradients of an optimizer that takes the scale itself (mixprec's low-memory
+        # optimizers) stay scaled: unscaled in fp16 they would lose their small values; the
+        # optimizer divides them by the scale in fp32 at step() (`_deferred`).
+        deferring = [opt for opt in opts if self._defers(opt)]
+        kept = {id(p) for opt in deferring for g in opt.param_groups for p in g["params"]}
+        groups = group_grads(p for p in params if id(p) not in kept)
+        checked = group_grads((p for p in params if id(p) in kept), allow_fp16=True)
         main = entry.state.scale.device
         block = torch.zeros((), dtype=torch.float32, device=main)  # this block's overflows
-        for device, per_dtype in groups.items():
+        for device in {*groups, *checked}:
             inv = self._inv_scale(entry, device)
             found = torch.zeros((), dtype=torch.float32, device=device)
-            for grads in per_dtype.values():
+            for grads in groups.get(device, {}).values():
                 unscale_and_check_(grads, inv, found, self._unscale_impl)
+            for grads in checked.get(device, {}).values():
+                check_finite_(grads, found)
             block = block + found.to(main, non_blocking=True)
+        for opt in deferring:
+            self._deferred[id(opt)] = entry.state.scale
         # Charged to the loss (its scale; the loss ran even without gradients) and to the
         # optimizers of this block (their skip).
         entry.found_inf = block if entry.found_inf is None else entry.found_inf + block
@@ -399,6 +416,17 @@ class GradScaler:
         for opt in opts:
             self._state(opt).stage = _Stage.READY  # still ready: the next unscale is a no-op
             self._already_unscaled.add(id(opt))
+
+    def _defers(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether `optimizer`'s gradients stay scaled after a `scaled` block: it holds fp16
+        gradients, takes ``grad_scale`` itself (torch's fused contract, which its skip mode
+        uses) and there is one loss (one scale for all its gradients)."""
+        if self._num_losses != 1 or not contract.consumes_scale_attributes(optimizer):
+            return False
+        if self._guard(optimizer).mode is not SkipMode.FUSED:
+            return False
+        return any(p.grad is not None and p.grad.dtype == torch.float16
+                   for g in optimizer.param_groups for p in g["params"])  # fmt: skip
 
     def _inv_scale(self, loss: _Loss, device: torch.device) -> torch.Tensor:
         # fp32 division can round differently under some compile settings: take the reciprocal
@@ -451,7 +479,19 @@ class GradScaler:
                 found = found + own
         else:
             loss = self._ensure(main)[0]
-            groups = group_grads(p for g in optimizer.param_groups for p in g["params"])
+            try:
+                groups = group_grads(p for g in optimizer.param_groups for p in g["params"])
+            except Fp16GradientError as err:
+                if not contract.consumes_scale_attributes(optimizer):
+                    raise
+                raise Fp16GradientError(
+                    f"unscale_({type(optimizer).__name__}): its parameters hold fp16 gradients, "
+                    f"which cannot be unscaled in place without losing their small values. "
+                    f"{type(optimizer).__name__} takes the scale itself: call "
+                    f"scaler.step(optimizer) without unscale_, and it divides the gradients by "
+                    f"the scale in fp32 inside its update. Clipping needs unscaled gradients: "
+                    f"clip with bf16 weights (dtype='bf16'), or keep fp32 masters (O2)."
+                ) from err
             for device, per_dtype in groups.items():
                 inv = self._inv_scale(loss, device)
                 local = found if device == main else torch.zeros((), device=device)
@@ -555,6 +595,9 @@ class GradScaler:
                 state.stage = _Stage.UNSCALED
             else:
                 self.unscale_(optimizer)
+        deferred = self._deferred.get(id(optimizer))
+        if deferred is not None:  # its scaled() blocks left the fp16 gradients scaled
+            grad_scale = deferred if preset is None else deferred * preset
         state = self._state(optimizer)
         if state.pending is not None:
             state.pending.wait()
@@ -658,6 +701,7 @@ class GradScaler:
         self._per_optimizer.clear()
         self._already_unscaled.clear()
         self._block_found.clear()
+        self._deferred.clear()
         self.note_update()
 
     def note_update(self, count: int = 1) -> None:
@@ -917,4 +961,5 @@ class GradScaler:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.__dict__.setdefault("_block_found", {})  # pickled by an earlier mixprec
+        self.__dict__.setdefault("_deferred", {})
         self.__dict__.setdefault("_report_listeners", [])

@@ -42,9 +42,10 @@ import torch
 from mixprec.errors import PolicyError, format_options
 from mixprec.fp8.convert import fp8_update
 from mixprec.levels.optimizer import AmpOptimizer
+from mixprec.optim.lowmem import LowMemOptimizer
 from mixprec.scaling import contract
 from mixprec.scaling.state import update_scale
-from mixprec.scaling.unscale import _unscale_and_check
+from mixprec.scaling.unscale import _unscale_and_check, check_finite_
 
 __all__ = ["CountingBackend", "StepUpdate", "own_code", "tensor_lr"]
 
@@ -233,6 +234,11 @@ class StepUpdate:
         self._compiled = torch.compile(update, backend=self._backend, **kwargs)
         self._step, unwrapped = _raw_step(optimizer.optimizer)
         inner = optimizer.optimizer
+        # mixprec's low-memory optimizers take the scale (fp16 gradients are not unscaled in
+        # place) and skip exactly themselves: nothing saved to restore. Not with clipping
+        # (it needs unscaled gradients) or step hooks (which only `step` runs).
+        self._takes_scale = (clip is None and unwrapped
+                             and isinstance(inner, LowMemOptimizer))  # fmt: skip
         self.split: str | None = None
         if not unwrapped:
             self.split = "the optimizer's step hooks run between graphs"
@@ -329,8 +335,9 @@ class StepUpdate:
         inner = opt.optimizer
         opt._after_backward()
         scaler = opt.scaler
-        if scaler is not None and scaler.is_enabled():
-            scaler.unscale_(inner)
+        takes_scale = self.clip is None and isinstance(inner, LowMemOptimizer)
+        if scaler is not None and scaler.is_enabled() and not takes_scale:
+            scaler.unscale_(inner)  # else scaler.step hands the optimizer the scale
         if self.clip is not None:
             params = [p for g in inner.param_groups for p in g["params"]]
             torch.nn.utils.clip_grad_norm_(params, self.clip)
@@ -406,6 +413,10 @@ class StepUpdate:
             params = [p for g in inner.param_groups for p in g["params"] if p.grad is not None]
             scaler = opt.scaler
             found = None
+            # An optimizer that takes the scale itself (torch's fused contract: mixprec's
+            # low-memory ones) divides by it in fp32 and skips exactly inside its own update:
+            # its fp16 gradients are not unscaled in place, and nothing is saved to restore.
+            takes_scale = self._takes_scale
             if state is not None:
                 found = torch.zeros((), dtype=torch.float32, device=state.scale.device)
                 # The reciprocal in fp64, as the eager scaler (and torch's) takes it.
@@ -415,12 +426,23 @@ class StepUpdate:
                 for grad in grads:
                     by_dtype.setdefault(grad.dtype, []).append(grad)
                 for same in by_dtype.values():
-                    _unscale_and_check(same, inv, found, scaler._unscale_impl)
+                    if takes_scale:
+                        check_finite_(same, found)
+                    else:
+                        _unscale_and_check(same, inv, found, scaler._unscale_impl)
             if self.clip is not None:
                 torch.nn.utils.clip_grad_norm_(params, self.clip)
             if found is None:
                 self._step()
                 skipped = None
+            elif takes_scale:
+                skip = found != 0
+                inner.step_scaled(state.scale, skip.float())
+                flag.copy_(skip)
+                skipped = flag
+                new = update_scale(state, found, scaler._config)
+                for cur, nxt in zip(state, new, strict=True):
+                    cur.copy_(nxt)
             else:
                 # Exact skip: the state before the update, selected back where found_inf is set.
                 tracked = list(params)
