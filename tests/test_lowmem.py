@@ -790,3 +790,23 @@ def test_o4_fp16_trainstep_compiled_matches_eager_and_skips_exactly():
     for a, b in zip(step.model.parameters(), eager.model.parameters(), strict=True):
         torch.testing.assert_close(a.float(), b.float(), rtol=2**-10, atol=2**-13)
     assert step.scaler.get_scale() == eager.scaler.get_scale() < 2.0**16
+
+
+def test_add_param_group_is_checked_like_the_constructor_and_leaves_the_optimizer_as_it_was():
+    opt = LowMemAdamW([torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16))])
+    fp16 = torch.nn.Parameter(torch.zeros(8, dtype=torch.float16))
+    with pytest.raises(mixprec.PolicyError, match="weights='kahan' for fp16"):
+        opt.add_param_group({"params": [fp16]})
+    with pytest.raises(mixprec.PolicyError, match="unknown weights mode 'bogus'.*kahan"):
+        opt.add_param_group({"params": [fp16], "weights": "bogus"})
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": fp16, "weights": "kahan"})  # a lone tensor, as torch takes
+    assert opt.param_groups[1]["weights"] == "kahan" and opt.param_groups[1]["params"] == [fp16]
+
+
+def test_an_unknown_master_weights_lists_every_value_once():
+    with pytest.raises(mixprec.PolicyError) as err:
+        mixprec.describe("O4", master_weights="foo")
+    text = str(err.value)
+    assert "unknown master_weights 'foo'. Valid: True or 'fp32', 'stochastic'" in text
+    assert "master_weightss" not in text and "\"'" not in text

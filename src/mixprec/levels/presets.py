@@ -401,7 +401,11 @@ def _parse_master(value: Any, low: torch.dtype) -> tuple[bool, str | None]:
                 f"master_weights='kahan' (a compensation buffer, any low dtype)."
             )
         return False, value
-    raise PolicyError(unknown_value("master_weights", value, list(MASTER_WEIGHTS)))
+    meanings = "; ".join(f"{k}: {v}" for k, v in MASTER_WEIGHTS.items())
+    raise PolicyError(
+        f"unknown master_weights {value!r}. Valid: True or 'fp32', 'stochastic', 'kahan', "
+        f"'split', False or 'nearest' ({meanings})."
+    )
 
 
 def _resolve_fp8(

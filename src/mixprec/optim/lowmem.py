@@ -146,22 +146,29 @@ class LowMemOptimizer(torch.optim.Optimizer):
             raise PolicyError(f"block_size={block!r} must be an int >= 2 (256 is the default).")
         if not isinstance(defaults["seed"], int) or isinstance(defaults["seed"], bool):
             raise ArgumentTypeError(f"seed={defaults['seed']!r} must be an int.")
-        super().__init__(params, defaults)
+        super().__init__(params, defaults)  # each group checked by add_param_group
         # While a step runs under the scaler's contract: the 0-dim bool "skip this step". A
         # list, mutated in place: an attribute set and read back within one traced step read
         # as the class's default under dynamo (the skip vanished from the compiled update).
         self._skipping: list[torch.Tensor | None] = [None]
-        for group in self.param_groups:
-            _check_choice("weights mode", group["weights"], WEIGHTS)
-            _check_choice("states mode", group["states"], STATES)
-            if group["weights"] in ("stochastic", "split"):
-                bad = [p.dtype for p in group["params"] if p.dtype == torch.float16]
-                if bad:
-                    raise PolicyError(
-                        f"weights={group['weights']!r} works on bf16 (the top half of fp32); "
-                        f"this group has float16 parameters. Use weights='kahan' for fp16 "
-                        f"weights, or bf16."
-                    )
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's, with the group's settings checked first (the constructor's groups too): a
+        group that does not fit is refused and the optimizer left as it was."""
+        group = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
+        _check_choice("weights mode", group["weights"], WEIGHTS)
+        _check_choice("states mode", group["states"], STATES)
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        if group["weights"] in ("stochastic", "split") and any(
+            p.dtype == torch.float16 for p in params
+        ):
+            raise PolicyError(
+                f"weights={group['weights']!r} works on bf16 (the top half of fp32); "
+                f"this group has float16 parameters. Use weights='kahan' for fp16 "
+                f"weights, or bf16."
+            )
+        super().add_param_group({**param_group, "params": params})
 
     @staticmethod
     def _once(state: dict[str, Any], name: str, make: Any) -> Any:
