@@ -255,7 +255,10 @@ def test_watch_events_per_step_and_first_is_the_earliest():
         assert watch.first.step == 2
 
 
-def test_watch_attached_to_scaler_diagnoses_skipped_updates():
+@pytest.mark.parametrize("check_every", [1, 100])
+def test_watch_attached_to_scaler_diagnoses_skipped_updates(check_every):
+    """Reported as they come (check_every=1) or at the watch's exit: a run shorter than the
+    scaler's report interval (100 by default) lost every skip before."""
     torch.manual_seed(0)
     flip = {"on": False}
 
@@ -265,7 +268,7 @@ def test_watch_attached_to_scaler_diagnoses_skipped_updates():
 
     model = _Net(Sometimes())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = mixprec.GradScaler("cpu", init_scale=2.0**10, check_every=1)
+    scaler = mixprec.GradScaler("cpu", init_scale=2.0**10, check_every=check_every)
     x, y = _x(), torch.randint(0, 2, (4,))
     with mixprec.watch_nonfinite(model, attach=scaler) as watch:
         for step in range(6):

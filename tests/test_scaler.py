@@ -685,3 +685,25 @@ def test_a_new_optimizer_at_a_dead_ones_id_gets_its_own_skip_mode():
     gc.collect()
     one_step(plain, plain_model)
     assert list(scaler._guards) == [id(plain)]  # the dead one's guard is dropped
+
+
+def test_torchs_private_growth_tracker_methods_that_accelerate_calls():
+    """Accelerate calls `_lazy_init_scale_growth_tracker` after loading a scaler's checkpoint
+    under FSDP2; both private methods keep torch's meaning (values checked against torch's)."""
+    ref = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=5)
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        ref.scale(model(torch.ones(1, 2)).sum()).backward()
+        ref.step(opt)
+        ref.update()
+        opt.zero_grad()
+    ours = mixprec.GradScaler("cpu")
+    ours.load_state_dict(ref.state_dict())
+    assert ours._get_growth_tracker() == ref._get_growth_tracker() == 3  # before first use
+    ours._lazy_init_scale_growth_tracker(torch.device("cpu"))
+    assert ours._get_scale_async() is not None and ours.get_scale() == ref.get_scale()
+    assert ours._get_growth_tracker() == 3
+    ours._lazy_init_scale_growth_tracker("cpu")  # again: nothing changes
+    assert ours.get_scale() == 2.0**8
+    assert mixprec.GradScaler("cpu", enabled=False)._get_growth_tracker() == 0

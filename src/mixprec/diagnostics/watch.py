@@ -191,7 +191,8 @@ class watch_nonfinite:
             a dispatch mode on other code (``torch.compile`` included).
         attach: a `mixprec.GradScaler` or `mixprec.TrainStep`: each overflowing update it reports
             (every ``check_every`` updates, when it reads its counters anyway) is diagnosed and
-            appended to `skips`.
+            appended to `skips`; on exit the scaler reports the updates since its last report
+            (one host sync), so every skip while the watch was on is there.
         history: steps whose records stay on the device for `events`/`skips`.
         fp8_error: while the watch is active, FP8 layers (`mixprec.to_fp8`) also record the
             relative error of each output against fp32 (one fp32 matmul per layer and
@@ -290,6 +291,9 @@ class watch_nonfinite:
             h.remove()
         self._handles.clear()
         if self._remove_listener is not None:
+            # The last updates' skips wait for the scaler's next report (every check_every
+            # updates): have them reported now, while this watch still listens (one sync).
+            self._scaler.report_skips_now()
             self._remove_listener()
             self._remove_listener = None
         _ACTIVE.pop(self.model, None)

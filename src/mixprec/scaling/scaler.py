@@ -712,14 +712,21 @@ class GradScaler:
         """
         self._unchecked += count
         self._host_updates += count
+        if self._unchecked >= self._check_every:
+            self.report_skips_now()
+
+    def report_skips_now(self) -> None:
+        """Report the skips of the updates not yet checked to ``on_skip`` and the listeners now,
+        rather than at the next `check_every` boundary (one host sync; nothing while a CUDA
+        graph records or nobody listens). `mixprec.watch_nonfinite` calls it on exit, so the
+        skips of a watch's last updates reach it."""
         listening = self._on_skip is not None or self._listeners or self._report_listeners
-        if listening and self._unchecked >= self._check_every:
-            if capturing():  # a check reads the device: not while a CUDA graph records
-                return
-            report.report_skips(self)
-            self._unchecked = 0
-            for listener in list(self._report_listeners):
-                listener(self._reported_steps)
+        if not listening or not self._unchecked or capturing():
+            return  # (a check reads the device: not while a CUDA graph records)
+        report.report_skips(self)
+        self._unchecked = 0
+        for listener in list(self._report_listeners):
+            listener(self._reported_steps)
 
     @property
     def host_updates(self) -> int:
@@ -869,6 +876,23 @@ class GradScaler:
     def _get_scale_async(self) -> torch.Tensor | None:
         """torch's: the scale (of loss 0) as a device tensor, no sync; None before first use."""
         return self.scale_tensor
+
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device | str) -> None:
+        """torch's: create the scale state on `dev` now rather than at the first ``scale()``
+        (Accelerate calls it after loading a checkpoint under FSDP2). A loaded state dict is
+        applied; a scaler already in use is left as it is (torch's raises there)."""
+        if self._enabled:
+            self._ensure(torch.device(dev))
+
+    def _get_growth_tracker(self) -> int:
+        """torch's: clean steps since the last growth or overflow (loss 0); 0 when disabled.
+        One host sync once the state exists."""
+        if not self._enabled:
+            return 0
+        if self._losses is None:
+            pending = (self._pending_load or [{}])[0]
+            return int(pending.get("growth_tracker", 0))
+        return int(self._losses[0].state.growth_tracker.item())
 
     # ----------------------------------------------------------------- config accessors
 
