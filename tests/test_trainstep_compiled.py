@@ -424,3 +424,36 @@ def test_kernel_mode_errors_list_the_options():
         assert repr(mode) in str(err.value)
     gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
     assert choose_kernels(gm, "cuda") == []  # GPUs: not measured
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_a_resumed_compiled_run_equals_the_uninterrupted_one_bit_for_bit(dtype):
+    """A checkpoint stores the lr as a float; the resumed step holds it as a tensor again (a
+    float lr is another graph constant: the resumed run drifted by an fp32 rounding), and its
+    first step runs the compiled update, as the uninterrupted run's does (a freshly loaded
+    scaler had no skip flag yet, and the update ran eagerly, said to be creating state)."""
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g))
+               for _ in range(5)]  # fmt: skip
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32),
+                                    torch.nn.ReLU(), torch.nn.Linear(32, 4))  # fmt: skip
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        return mixprec.TrainStep(model, opt, F.cross_entropy, dtype=dtype, compile=FAST)
+
+    whole = build()
+    for x, y in batches:
+        whole(x, y)
+    first = build()
+    for x, y in batches[:3]:
+        first(x, y)
+    resumed = build()
+    resumed.load_state_dict(first.state_dict())
+    for x, y in batches[3:]:
+        resumed(x, y)
+        assert resumed.compiled and "compiled" in resumed.reason, resumed.reason
+    for k, v in whole.model.state_dict().items():
+        assert torch.equal(v, resumed.model.state_dict()[k]), k

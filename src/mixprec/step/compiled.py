@@ -310,9 +310,16 @@ class StepUpdate:
         scaler = self.optimizer.scaler
         stateless = self._stateless
         if scaler is not None and scaler.is_enabled():
-            guard = scaler._known_guard(inner)
-            if guard is None or guard.flag is None:  # the flag the graph writes
-                return False
+            if contract.needs_closure(inner):
+                return False  # (`blocker` says why)
+            guard = scaler._guard(inner)
+            if guard.flag is None:
+                # The skip flag the graph writes, made here where no eager step made it: a
+                # scaler just loaded from a checkpoint, beside an optimizer that has its state
+                # (the first step after a resume then runs the compiled update, as it would
+                # have without the interruption).
+                device = scaler._losses[0].state.scale.device
+                guard.flag = torch.zeros((), dtype=torch.float32, device=device)
             stateless = {k for k, ref in guard._stateless.items() if ref() is not None}
         key = (id(inner.state), len(inner.state), sum(len(g["params"]) for g in inner.param_groups))
         if key == self._complete_at:

@@ -815,6 +815,12 @@ class TrainStep:
         self.model.load_state_dict(theirs)
         self._drop_graphs()
         self._fingerprint = None
+        if self._update is not None:
+            # The loaded param groups hold the lr as a float (checkpoints are portable); the
+            # compiled update reads it as a tensor, as before the save: the same fp32 value
+            # then enters the same arithmetic (a float lr is another constant in the graph,
+            # and the resumed run drifted from the uninterrupted one by an fp32 rounding).
+            tensor_lr(self.optimizer.optimizer)
         if self._blocked is None:
             self._prepare()
 
