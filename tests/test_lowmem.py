@@ -810,3 +810,53 @@ def test_an_unknown_master_weights_lists_every_value_once():
     text = str(err.value)
     assert "unknown master_weights 'foo'. Valid: True or 'fp32', 'stochastic'" in text
     assert "master_weightss" not in text and "\"'" not in text
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_converting_mid_run_follows_torch(kind):
+    """torch's SGD keeps no step counter: a converted SGD used to count from 0 and take the
+    next gradient as its momentum buffer (0.19 off torch after 3 more steps)."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(64, 64))
+    ref = torch.nn.Parameter(w.detach().clone())
+    make = ((lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)) if kind == "sgd"
+            else (lambda ps: torch.optim.AdamW(ps, lr=1e-2)))  # fmt: skip
+    opt, ref_opt = make([w]), make([ref])
+    for i in range(6):
+        if i == 3:
+            opt = converted(opt, weights="nearest", states="fp32")
+        w.grad = torch.randn(64, 64)
+        ref.grad = w.grad.clone()
+        opt.step()
+        ref_opt.step()
+    torch.testing.assert_close(w.detach(), ref.detach(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_a_torch_optimizers_state_dict_loads_as_converted_does(kind):
+    """A torch AdamW/SGD checkpoint into the low-memory optimizer: its groups lacked our
+    settings (a KeyError at the next step); now converted, bit for bit what `converted` gives."""
+
+    def make(ps):
+        return (torch.optim.SGD(ps, lr=0.1, momentum=0.9) if kind == "sgd"
+                else torch.optim.AdamW(ps, lr=1e-2))  # fmt: skip
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(64, 80).bfloat16()),
+              torch.nn.Parameter(torch.randn(80).bfloat16())]  # fmt: skip
+    torch_opt = make(params)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    torch_opt.step()
+    saved = io.BytesIO()
+    torch.save(torch_opt.state_dict(), saved)
+    want = converted(torch_opt, min_quantized=1024)
+    cls = LowMemSGD if kind == "sgd" else LowMemAdamW
+    got = cls(params, **({"momentum": 0.9, "lr": 0.1} if kind == "sgd" else {"lr": 1e-2}),
+              min_quantized=1024)  # fmt: skip
+    saved.seek(0)
+    got.load_state_dict(torch.load(saved, weights_only=True))
+    assert _bitwise(_state_bits(got), _state_bits(want))
+    group = got.param_groups[0]
+    assert group["states"] == "8bit" and group["weights"] == "stochastic"
+    got.step()  # steps (a KeyError: 'states' before)

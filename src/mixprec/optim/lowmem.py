@@ -395,6 +395,49 @@ class LowMemOptimizer(torch.optim.Optimizer):
                 state: dict[str, Any]) -> None:  # fmt: skip
         raise NotImplementedError
 
+    def _carried(self, group: dict[str, Any], p: torch.Tensor, index: int,
+                 old: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+        """The state of `p` carried over from torch's optimizer state `old` (AdamW's, Adam's,
+        SGD's), its moments stored in this group's precision."""
+        state = self._init_state(group, p, index)
+        # torch's SGD keeps no counter: state means at least one step was taken (step 0 would
+        # make the next step take the gradient as the momentum buffer, as a first step does).
+        step = old.get("step", 1)
+        state["step"].fill_(float(step))
+        for s, (name, signed) in enumerate(self._moments_of(group), start=1):
+            if isinstance(old.get(name), torch.Tensor):
+                value = old[name].to(device=p.device, dtype=torch.float32)
+                self._write(group, state, name, signed, value, s)
+        return state
+
+    def _from_torch(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """`state_dict` as this optimizer's, where torch's optimizer of the same kind saved it
+        (its param groups lack ``weights``/``states``...): the settings from this optimizer's
+        groups, the state carried over as `converted` does. Otherwise `state_dict` itself."""
+        groups = state_dict.get("param_groups")
+        own = ("weights", "states", "block_size", "min_quantized", "seed")
+        if (
+            not isinstance(groups, list)
+            or len(groups) != len(self.param_groups)
+            or all(isinstance(g, dict) and all(k in g for k in own) for g in groups)
+        ):
+            return state_dict
+        merged = []
+        for saved, current in zip(groups, self.param_groups, strict=True):
+            group = {**saved, **{k: current[k] for k in own if k not in saved}}
+            if isinstance(group.get("betas"), (tuple, list)):
+                group["betas"] = tuple(float(b) for b in group["betas"])
+            merged.append(group)
+        params = [p for g in self.param_groups for p in g["params"]]
+        ids = [i for g in merged for i in g.get("params", [])]
+        state = {}
+        for index, (pid, param) in enumerate(zip(ids, params, strict=False), start=1):
+            old = state_dict.get("state", {}).get(pid)
+            if isinstance(old, dict) and old:
+                group = next(g for g in merged if pid in g["params"])
+                state[pid] = self._carried(group, local_tensor(param).detach(), index, old)
+        return {**state_dict, "param_groups": merged, "state": state}
+
     # ------------------------------------------------------------------ checkpoints
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -404,7 +447,11 @@ class LowMemOptimizer(torch.optim.Optimizer):
         moments and block maxima would come back bf16); here they keep the dtype they were
         saved with. Shapes and dtypes are checked against this optimizer first: a state dict
         of another configuration (other states mode, block size) is refused, nothing changed.
+        A state dict of torch's own AdamW, Adam or SGD (the same parameters) is converted: the
+        moments stored in this optimizer's precision, as `converted` does.
         """
+        if isinstance(state_dict, dict):
+            state_dict = self._from_torch(state_dict)
         saved = state_dict.get("state", {}) if isinstance(state_dict, dict) else {}
         params = [p for g in self.param_groups for p in g["params"]]
         groups = state_dict.get("param_groups", []) if isinstance(state_dict, dict) else []
@@ -643,13 +690,6 @@ def converted(optimizer: torch.optim.Optimizer, **settings: Any) -> LowMemOptimi
         for p in group["params"]:
             index += 1
             old = optimizer.state.get(p)
-            if not old:
-                continue
-            state = low._init_state(group, local_tensor(p), index)
-            step = old.get("step", 0)
-            state["step"].fill_(float(step))
-            for s, (name, signed) in enumerate(low._moments_of(group), start=1):
-                if name in old:
-                    low._write(group, state, name, signed, old[name].float(), s)
-            low.state[p] = state
+            if old:
+                low.state[p] = low._carried(group, local_tensor(p), index, old)
     return low
