@@ -367,6 +367,15 @@ def test_bad_settings_name_the_valid_ones():
         LowMemAdamW(params, states="4bit", weights="kahan")
     with pytest.raises(mixprec.PolicyError, match="block_size"):
         LowMemAdamW(params, block_size=0, weights="kahan")
+    # What torch's optimizers refuse, and what failed only at the first step, without a name.
+    for kwargs, match in [({"min_quantized": "4096"}, "min_quantized='4096' must be an int"),
+                          ({"betas": (0.9, 0.99, 0.5)}, r"betas=.*two numbers"),
+                          ({"lr": -1e-3}, "lr=-0.001 is invalid"),
+                          ({"eps": -1.0}, "eps=-1.0 is invalid")]:  # fmt: skip
+        with pytest.raises(mixprec.MixprecError, match=match):
+            LowMemAdamW(params, weights="kahan", **kwargs)
+    with pytest.raises(mixprec.PolicyError, match="momentum=-0.5 is invalid"):
+        LowMemSGD(params, momentum=-0.5, weights="kahan")
 
 
 # ---------------------------------------------------------------------- checkpoints

@@ -79,6 +79,38 @@ def _check_choice(kind: str, value: Any, valid: dict[str, str]) -> str:
     return value
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_group(group: dict[str, Any]) -> None:
+    """A param group's settings (the constructor's defaults merged in), checked before any
+    change, with torch's rules for the hyperparameters torch's optimizers check."""
+    _check_choice("weights mode", group["weights"], WEIGHTS)
+    _check_choice("states mode", group["states"], STATES)
+    block, least, seed = group["block_size"], group["min_quantized"], group["seed"]
+    if not (_is_int(block) and block >= 2):
+        raise PolicyError(f"block_size={block!r} must be an int >= 2 (256 is the default).")
+    if not (_is_int(least) and least >= 0):
+        raise PolicyError(f"min_quantized={least!r} must be an int >= 0 (4096 is the default).")
+    if not _is_int(seed):
+        raise ArgumentTypeError(f"seed={seed!r} must be an int.")
+    if not isinstance(group.get("maximize", False), bool):
+        raise ArgumentTypeError(f"maximize={group['maximize']!r} must be True or False.")
+    for name in ("lr", "eps", "weight_decay", "momentum", "dampening"):
+        value = group.get(name)
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                raise PolicyError(f"{name} as a tensor must have one element (0-dim).")
+        elif name in group and not (isinstance(value, (int, float)) and value >= 0):
+            raise PolicyError(f"{name}={value!r} is invalid: it must be a number >= 0.")
+    if "betas" in group:
+        betas = group["betas"]
+        numbers = isinstance(betas, (tuple, list)) and len(betas) == 2
+        if not (numbers and all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)):
+            raise PolicyError(f"betas={betas!r}: two numbers, each in [0, 1), e.g. (0.9, 0.999).")
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """Contiguous `t` as a 1-D tensor over the same storage."""
     return t.as_strided((t.numel(),), (1,))
@@ -139,13 +171,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
         dst.copy_(value.view(dst.shape))
 
     def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
-        _check_choice("weights mode", defaults["weights"], WEIGHTS)
-        _check_choice("states mode", defaults["states"], STATES)
-        block = defaults["block_size"]
-        if not (isinstance(block, int) and not isinstance(block, bool) and block >= 2):
-            raise PolicyError(f"block_size={block!r} must be an int >= 2 (256 is the default).")
-        if not isinstance(defaults["seed"], int) or isinstance(defaults["seed"], bool):
-            raise ArgumentTypeError(f"seed={defaults['seed']!r} must be an int.")
+        _check_group(defaults)
         super().__init__(params, defaults)  # each group checked by add_param_group
         # While a step runs under the scaler's contract: the 0-dim bool "skip this step". A
         # list, mutated in place: an attribute set and read back within one traced step read
@@ -156,8 +182,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
         """torch's, with the group's settings checked first (the constructor's groups too): a
         group that does not fit is refused and the optimizer left as it was."""
         group = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
-        _check_choice("weights mode", group["weights"], WEIGHTS)
-        _check_choice("states mode", group["states"], STATES)
+        _check_group(group)
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         if group["weights"] in ("stochastic", "split") and any(
@@ -520,8 +545,6 @@ class LowMemAdamW(LowMemOptimizer):
         min_quantized: int = 4096,
         seed: int = 0,
     ) -> None:
-        if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
-            raise PolicyError(f"betas={betas!r}: each must be in [0, 1).")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         maximize=maximize, weights=weights, states=states,
                         block_size=block_size, min_quantized=min_quantized, seed=seed)  # fmt: skip
