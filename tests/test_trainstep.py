@@ -311,6 +311,29 @@ def test_errors_say_what_to_do():
         step(torch.randn(2, 8))
 
 
+def test_misuse_found_by_a_new_user_is_named_with_its_fix():
+    x, y = _batches(1, overflows=())[0]
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(mixprec.PolicyError, match=r"is a class: pass an instance, loss_fn="):
+        uncompiled_step(model, opt, torch.nn.CrossEntropyLoss)
+    with pytest.raises(mixprec.PolicyError, match="unknown key 'backnd'. Did you mean 'backend'"):
+        mixprec.TrainStep(model, opt, F.cross_entropy, compile={"backnd": "aot_eager"})
+    other = _model()
+    with pytest.raises(mixprec.MixprecError, match="holds none of the model's parameters"):
+        uncompiled_step(model, torch.optim.SGD(other.parameters(), lr=0.1), F.cross_entropy)
+    assert amp_hooks(model) is None  # refused before initialize changed anything
+    step = uncompiled_step(model, opt, compute_loss=lambda m, a, b: (F.cross_entropy(m(a), b), 0))
+    with pytest.raises(mixprec.TrainStepError, match="got tuple. Return only the loss tensor"):
+        step(x, y)
+    model = _model()
+    step = uncompiled_step(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy)
+    with torch.no_grad(), pytest.raises(mixprec.TrainStepError, match=r"under torch.no_grad"):
+        step(x, y)
+    step(x, y)
+    assert step.reason.startswith("running eagerly: compile=False was requested"), step.reason
+
+
 def test_eager_capture_mode_and_explain():
     model = _model()
     step = uncompiled_step(model, torch.optim.SGD(model.parameters(), lr=0.1),

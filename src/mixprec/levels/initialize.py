@@ -139,8 +139,16 @@ def initialize(
     # argument leaves the models as they were (the scaler validates its own settings).
     opt_list = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
     if optimizers is not None:
+        ours = {id(p) for model in model_list for p in model.parameters()}
         for opt in opt_list:
             _check_optimizer_arg(opt)
+            held = [p for g in getattr(opt, "param_groups", ()) for p in g["params"]]
+            if held and not any(id(p) in ours for p in held):
+                raise UsageError(
+                    f"the optimizer ({type(opt).__name__}) holds none of the model's parameters "
+                    f"({len(held)} other tensors), so training would change nothing. Build it "
+                    f"over the model you pass: {type(opt).__name__}(model.parameters(), ...)."
+                )
             if options.master_weights and _is_wrapper(opt):
                 wrapped_optimizer(opt)  # rebuilt over the masters later: refuse it now
             if options.low_memory:

@@ -24,6 +24,7 @@ numbers; there is no silent divergence to opt into.
 from __future__ import annotations
 
 import difflib
+import inspect
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -149,6 +150,12 @@ class TrainStep:
                 "compute_loss (compute_loss(model, *batch) -> loss)."
             )
         for name, fn in (("loss_fn", loss_fn), ("compute_loss", compute_loss)):
+            if isinstance(fn, type):
+                raise PolicyError(
+                    f"TrainStep {name}={fn.__name__} is a class: pass an instance, "
+                    f"{name}={fn.__name__}(), or a function such as "
+                    f"torch.nn.functional.cross_entropy."
+                )
             if fn is not None and not callable(fn):
                 example = (
                     "loss_fn=torch.nn.functional.cross_entropy"
@@ -170,6 +177,17 @@ class TrainStep:
                 f"TrainStep compile={compile!r} must be None (automatic), True, False or a dict "
                 f"of torch.compile arguments, e.g. compile={{'mode': {compile!r}}}."
             )
+        if isinstance(compile, dict):
+            valid = [*COMPILE_KEYS, "casts", "kernels"]
+            unknown = [k for k in compile if k not in valid]
+            if unknown:
+                close = difflib.get_close_matches(str(unknown[0]), valid, n=1)
+                raise PolicyError(
+                    f"TrainStep compile= has unknown key {unknown[0]!r}."
+                    + (f" Did you mean {close[0]!r}?" if close else "")
+                    + f" Valid keys: {format_options(valid)} (torch.compile's arguments, and "
+                    f"mixprec's graph pass settings casts= and kernels=)."
+                )
         if capture == "compile" and compile is False:
             raise PolicyError(
                 "TrainStep capture='compile' asks for a compiled step, and compile=False forbids "
@@ -316,6 +334,12 @@ class TrainStep:
         if self._device.type != "cuda" and self._compile_blocked is not None:
             return self._compile_blocked
         if self._device.type != "cuda":
+            if self._update is None and self._compile_arg is False:
+                return (
+                    f"running eagerly: compile=False was requested (the same operations run "
+                    f"one at a time{collectives}; on {self._device} the compiled step is what "
+                    f"compile=None gives)"
+                )
             return (
                 f"running eagerly: CUDA graphs need a CUDA device and the model is on "
                 f"{self._device} (the same operations run one at a time{collectives})"
@@ -416,12 +440,7 @@ class TrainStep:
                 trim(err)
             )
         if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
-            raise TrainStepError(
-                f"the loss must be a one-element tensor that requires grad; got "
-                f"{type(loss).__name__}"
-                + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
-                + ". Reduce it (e.g. .mean()) in loss_fn or compute_loss."
-            )
+            raise TrainStepError(_loss_problem(loss))
         if update is not None:
             # Backward through the compiled forward's own backward, then the rest of the step
             # as one compiled graph (`StepUpdate`), or eagerly when this step creates optimizer
@@ -828,6 +847,28 @@ class TrainStep:
         for note in graphs.prepare(self.optimizer.optimizer, self._device):
             if note not in self.notes:
                 self.notes.append(note)
+
+
+def _loss_problem(loss: Any) -> str:
+    """Why `loss` cannot be the step's loss, and the fix."""
+    head = "the loss must be a one-element tensor that requires grad; got "
+    if not isinstance(loss, torch.Tensor):
+        return (
+            f"{head}{type(loss).__name__}. Return only the loss tensor from loss_fn or "
+            f"compute_loss (a step returns the loss alone; compute metrics from its output or "
+            f"with step.model outside the step)."
+        )
+    if loss.numel() != 1:
+        return f"{head}a tensor of shape {tuple(loss.shape)}. Reduce it (e.g. .mean())."
+    return (
+        f"{head}a one-element tensor that does not require grad: the step ran under "
+        f"torch.no_grad() or torch.inference_mode() (call it outside), or no parameter the "
+        f"loss depends on requires grad (a frozen model: unfreeze what should train)."
+    )
+
+
+#: torch.compile's keyword arguments (what a ``compile=`` dict may hold besides mixprec's).
+COMPILE_KEYS = tuple(k for k in inspect.signature(torch.compile).parameters if k != "model")
 
 
 def _model_device(model: nn.Module) -> torch.device:
