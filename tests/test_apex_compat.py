@@ -118,8 +118,9 @@ def test_dynamic_scale_ceiling_is_apexs():
 def _refusals():
     model, opt = _net(), None
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    _, amp_opt = mixprec.initialize(_net(), torch.optim.SGD(_net().parameters(), 0.1),
-                                            "O1", dtype=FP16)  # fmt: skip
+    other = _net()
+    _, amp_opt = mixprec.initialize(other, torch.optim.SGD(other.parameters(), 0.1),
+                                    "O1", dtype=FP16)  # fmt: skip
     loss = torch.ones((), requires_grad=True)
     return [  # (call, the class Apex raised)
         (lambda: mixprec.initialize("model", opt, "O1"), TypeError),

@@ -574,8 +574,9 @@ def test_grad_underflow_uses_the_dtype_the_model_trains_in():
     torch.manual_seed(0)
     x = torch.randn(8, 16)
     for level in ("O1", "O2"):
+        model = _stack()
         model, opt = mixprec.initialize(
-            _stack(), torch.optim.SGD(_stack().parameters(), lr=0.1), level, dtype="bf16"
+            model, torch.optim.SGD(model.parameters(), lr=0.1), level, dtype="bf16"
         )
         with mixprec.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
             scaled.backward()
