@@ -127,6 +127,7 @@ def test_budget_shrinks_the_slow_rows_and_keeps_every_ratio_at_one_size(monkeypa
     # it, sleeps of 0.02 s in a 3 s budget do not. Run the profiled step, skip the timeline.
     monkeypatch.setattr(runner, "cpu_peak_mib", lambda step: (1.0, _timed(step)))
 
+    busy = os.getloadavg()[0] > (os.cpu_count() or 1)  # oversubscribed: the sleeps overrun
     t0 = time.perf_counter()
     rows, info = runner.run(["fake"], list(variants), device="cpu", dtype=torch.bfloat16,
                             full=False, budget=3.0)  # fmt: skip
@@ -143,7 +144,8 @@ def test_budget_shrinks_the_slow_rows_and_keeps_every_ratio_at_one_size(monkeypa
     assert by[("O1", "size 1")]["speedup_vs_torch_amp"] == pytest.approx(1.0, rel=0.4)
     assert all(r["steps"] >= runner._FLOOR_STEPS for r in rows)  # MIN_STEPS unless loaded
     # 2x: the suite runs in two workers, and another test's processes share the 2 cores
-    assert took < 3.0 * 2.0 and info["budget_s"] == 3.0
+    # (3x on an oversubscribed machine: 6.03 s was seen beside other test runs)
+    assert took < 3.0 * (3.0 if busy else 2.0) and info["budget_s"] == 3.0
     # On the CPU the rows of a block take turns, step by step.
     timed = [name for name, size in log if size == "size 1"][-6:]
     assert timed == ["fp32", "torch.amp", "O1"] * 2
