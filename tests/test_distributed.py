@@ -301,7 +301,10 @@ def test_fully_shard_arguments_are_checked_before_sharding():
         "mixprec.fully_shard got an unknown keyword 'resharding'. Valid: fully_shard's "
     )
     assert "'reshard_after_forward'" in str(err.value) and "'keep_batchnorm_fp32'" in str(err.value)
-    initialized, _ = mixprec.initialize(S.net(), torch.optim.SGD(model.parameters(), lr=0.1), "O1")
+    initialized = S.net()
+    initialized, _ = mixprec.initialize(
+        initialized, torch.optim.SGD(initialized.parameters(), lr=0.1), "O1"
+    )
     with pytest.raises(mixprec.DistributedError) as err:
         mixprec.fully_shard(initialized)
     assert str(err.value) == (

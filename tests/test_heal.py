@@ -453,7 +453,8 @@ def test_tune_policy_meets_an_error_budget_by_moving_the_first_module_past_it():
     assert report.moves and report.moves[0].why == "activation error"
     assert report.moves[0].measured > 1e-6
     with pytest.raises(mixprec.MixprecError, match="prepared by mixprec.initialize"):
-        m, _ = mixprec.initialize(healthy(), torch.optim.SGD(model.parameters(), lr=1), "O1")
+        m = healthy()
+        m, _ = mixprec.initialize(m, torch.optim.SGD(m.parameters(), lr=1), "O1")
         mixprec.tune_policy(m, data(1), F.mse_loss)
 
 

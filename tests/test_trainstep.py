@@ -112,7 +112,7 @@ def test_o1_fp16_step_equals_the_plain_loop_with_overflows(opt_name, clip):
     assert ours == theirs  # scale, trackers, skip count, last skip
     # The planted overflows, plus natural ones (2**16 at the start, growth every 5 steps).
     assert ours["skipped"] > len(OVERFLOWS)
-    assert not step.captured and "CUDA device" in step.reason
+    assert not step.captured and "compile=False was requested" in step.reason
 
 
 def test_default_scaler_of_the_opt_level_matches_torch_defaults():
