@@ -159,6 +159,35 @@ def test_checkpoint_restores_fp8_state_and_resumes_bit_for_bit():
     assert _bitwise(list(model3.state_dict().values()), list(model.state_dict().values()))
 
 
+def test_a_dcp_checkpoint_of_another_fp8_recipe_or_without_fp8_is_refused_saying_so(tmp_path):
+    """DCP loads what the model asks for: an FP8 checkpoint loaded into a model without FP8
+    dropped the amax histories and scales silently, and another recipe failed with a bare
+    size mismatch. Both are refused before anything changes, naming the recipe."""
+
+    def fresh(**kw):
+        model = _mlp()
+        return mixprec.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "O2",
+                                  dtype="bf16", **kw)  # fmt: skip
+
+    model, opt = fresh(fp8="delayed")
+    for x, y in _batches(2):
+        with mixprec.scale_loss(F.cross_entropy(model(x), y), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+    mixprec.save_checkpoint(str(tmp_path / "ck"), model, opt)
+    for kw, match in [({"fp8": "tensorwise"}, "amax history of 16 step.*another FP8 recipe"),
+                      ({}, "FP8 layer state .* no place for.*same fp8= recipe")]:  # fmt: skip
+        other, other_opt = fresh(**kw)
+        before = [t.clone() for t in other.state_dict().values()]
+        with pytest.raises(mixprec.DistributedError, match=match):
+            mixprec.load_checkpoint(str(tmp_path / "ck"), other, other_opt)
+        assert _bitwise(before, list(other.state_dict().values()))
+    again, again_opt = fresh(fp8="delayed")
+    mixprec.load_checkpoint(str(tmp_path / "ck"), again, again_opt)  # the same recipe loads
+    assert _bitwise(_fp8_state(again), _fp8_state(model))
+
+
 # ------------------------------------------------------------------ module swap and casts
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -168,6 +169,12 @@ def load_checkpoint(
     created = _materialize(inner)
     try:
         live = state_dict(model, optimizer, scaler)
+        fp8 = _fp8_mismatch(checkpoint_id, live["model"], dcp_kwargs)
+        if fp8 is not None:
+            raise DistributedError(
+                f"the checkpoint at {checkpoint_id!r} does not fit this model (nothing was "
+                f"changed): {fp8}"
+            )
         target = _map(live, _fresh)
         try:
             with _single_process(dcp_kwargs):
@@ -187,6 +194,46 @@ def load_checkpoint(
         loaded = getattr(module, "fp8_loaded", None)  # an FP8 layer: its caches are stale now
         if callable(loaded):
             loaded()
+
+
+def _fp8_mismatch(
+    checkpoint_id: Any, model: dict[str, Any], dcp_kwargs: dict[str, Any]
+) -> str | None:
+    """Why the FP8 layer state saved in a (file system) checkpoint does not fit `model`'s
+    entries, or None. DCP loads only what the model asks for, so FP8 histories and scales saved
+    from an FP8 model would be dropped silently by a model without them; and another recipe's
+    history length only shows as a size mismatch. Reads the checkpoint's metadata file."""
+    if "storage_reader" in dcp_kwargs or not isinstance(checkpoint_id, (str, os.PathLike)):
+        return None
+    try:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        saved = FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
+    except Exception:  # not a file system checkpoint: DCP's own checks apply
+        return None
+    head = f"{_KEY}.model."
+    fp8 = {k[len(head):]: v for k, v in saved.items()
+           if k.startswith(head) and k.rsplit(".", 1)[-1].startswith("fp8_")}  # fmt: skip
+    absent = sorted(k for k in fp8 if k not in model)
+    if absent:
+        return (
+            f"it holds FP8 layer state ({len(absent)} tensors, the first {absent[0]!r}) that "
+            f"this model has no place for: it was saved from a model initialized with fp8=..., "
+            f"and loading it here would drop the amax histories and scales. Initialize this "
+            f"model with the same fp8= recipe."
+        )
+    for name, meta in fp8.items():
+        mine = model.get(name)
+        size = getattr(meta, "size", None)
+        history = name.endswith("fp8_history") and isinstance(mine, torch.Tensor)
+        if history and size is not None and tuple(size) != tuple(mine.shape):
+            return (
+                f"its FP8 layer {name.rsplit('.', 1)[0]!r} keeps an amax history of "
+                f"{tuple(size)[-1]} step(s) and this model's keeps {mine.shape[-1]}: it was "
+                f"saved with another FP8 recipe (or history length). Initialize this model "
+                f"with the checkpoint's fp8= recipe."
+            )
+    return None
 
 
 def _cause(err: BaseException) -> str:
