@@ -173,6 +173,7 @@ def test_cifar10_loader_reads_the_python_pickle_format(tmp_path):
         (["train", "--data", "mnist"], "unknown data set 'mnist'. Valid: 'digits'"),
         (["train", "--epochs", "0"], "--epochs must be >= 1"),
         (["policy", "--device", "gpu", "--op", "mm"], "unknown device type 'gpu'"),
+        (["policy", "--op", "mm", "notanop"], "unknown op name 'notanop'"),
         (["explain", "vgg"], "unknown model 'vgg'. Valid: mlp, resnet50, gpt2"),
         (["explain", "mlp", "--batch", "0"], "--batch must be >= 1"),
         (["explain", "mlp", "--dtype", "fp8"], "unknown --dtype 'fp8'"),
@@ -185,9 +186,10 @@ def test_bad_names_list_the_valid_ones(args, message, capsys):
     from mixprec.cli import main
 
     assert main(args) == 2
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert message in err, err
     assert "Traceback" not in err
+    assert not out  # nothing half-printed before the error (policy's header did)
 
 
 def test_a_bad_name_from_the_console_script_exits_2_without_a_traceback():

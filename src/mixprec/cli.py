@@ -601,11 +601,14 @@ def _policy(args: argparse.Namespace) -> int:
 
     policy = Policy.from_string(args.policy)
     choice = resolve_dtype(args.device, args.dtype, policy.compute)
+    # Every --op decided before anything is printed: a bad name is an error, not a tail.
+    decisions = [policy.decide(op, device_type=args.device, dtype=choice.dtype)
+                 for op in args.op or ()]  # fmt: skip
     print(f"policy: {policy}")
     print(f"device: {args.device}, low dtype: {dtype_name(choice.dtype)} ({choice.reason})")
     if args.op:
-        for op in args.op:
-            print(policy.decide(op, device_type=args.device, dtype=choice.dtype))
+        for decision in decisions:
+            print(decision)
         return 0
     resolved = policy.resolve(args.device, choice.dtype)
     for cat in OpCategory:
