@@ -158,6 +158,31 @@ def test_model_code_reading_torch_state_inside_compiled_region(state_tracing):
     assert torch.equal(high, a @ a)
 
 
+def test_tensor_attributes_read_inside_a_compiled_region_are_their_own():
+    """Dynamo handed back the previous attribute's value when the region's mode asked whether
+    dynamo was tracing before an attribute getter: x.is_nested read as x.dtype, and
+    nn.MultiheadAttention's input checks failed under mixprec.compile."""
+    x = torch.randn(2, 8, 32)
+
+    def attributes(x):
+        return x.dtype, x.is_nested, x.requires_grad, x.is_sparse, x.dtype == torch.float32
+
+    want = attributes(x)
+    with mixprec.autocast("cpu"):
+        assert torch.compile(attributes, backend="eager")(x) == want
+    torch._dynamo.reset()
+    assert mixprec.compile(attributes, backend="eager", kernels="native")(x) == want
+
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(32, 4, batch_first=True)
+    with mixprec.autocast("cpu"):
+        eager = mha(x, x, x, need_weights=False)[0]
+    compiled = mixprec.compile(mha, backend="aot_eager", kernels="native")
+    out = compiled(x, x, x, need_weights=False)[0]
+    assert out.dtype == eager.dtype == torch.bfloat16
+    assert torch.equal(out, eager)
+
+
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_edited_policy_holds_under_compile(backend, state_tracing):
     # layer_norm moved to fp32 (torch's CPU list leaves it alone) and mm taken out of the list:

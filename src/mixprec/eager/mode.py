@@ -61,6 +61,10 @@ def torch_state(regions: tuple[Region, ...]) -> tuple[Region, ...]:
     return tuple(out)
 
 
+_METHOD_WRAPPER = type(torch._C.TensorBase.dtype.__get__)
+_ACCESSORS = frozenset({"__get__", "__set__", "__delete__"})
+
+
 def _get(table: DispatchTable, func: Any) -> Any:
     """``table.memo.get(func, MISS)``; in a dynamo trace through the table's `traced_rules`, so
     that the compiled code guards the table's identity, not every key of its memo."""
@@ -130,6 +134,13 @@ class AutocastMode(TorchFunctionMode):
         return table.classify(func) if rule is _MISS else rule
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if type(func) is _METHOD_WRAPPER and func.__name__ in _ACCESSORS:
+            # A tensor attribute's getter or setter (x.dtype, x.shape, x.data = ...): never cast,
+            # so passed on first. It must come before dynamo_tracing(): asked inside a traced
+            # mode before an attribute read, dynamo (torch 2.13) handed back the previous
+            # attribute's value (x.is_nested read as x.dtype), which broke
+            # nn.MultiheadAttention's input checks and any code branching on attributes.
+            return func(*args, **kwargs) if kwargs else func(*args)
         rule = _get(self.table, func) if dynamo_tracing() else self.memo.get(func, _MISS)
         if rule is None:
             return func(*args, **kwargs) if kwargs else func(*args)
