@@ -869,3 +869,28 @@ def test_a_torch_optimizers_state_dict_loads_as_converted_does(kind):
     group = got.param_groups[0]
     assert group["states"] == "8bit" and group["weights"] == "stochastic"
     got.step()  # steps (a KeyError: 'states' before)
+
+
+def test_the_integrations_refuse_low_memory_levels_and_o3_with_a_low_memory_optimizer_works():
+    """The frameworks build and step their own optimizer, which the integrations wrap but do not
+    replace: O4 trained as round-to-nearest bf16 under torch's optimizer while reporting O4.
+    Refused, naming the way that works: O3 with a mixprec low-memory optimizer."""
+    from mixprec.integrations.engine import AmpConfig, AmpEngine, IntegrationError
+
+    for config in ({"opt_level": "O4"},
+                   {"opt_level": "O2", "options": {"optimizer_states": "8bit"}},
+                   {"opt_level": "O3", "options": {"master_weights": "stochastic"}}):  # fmt: skip
+        with pytest.raises(IntegrationError, match="not supported by the integrations.*O3"):
+            AmpConfig(dtype="bf16", **config)
+    model = torch.nn.Linear(4, 4, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    engine = AmpEngine(AmpConfig("O3", dtype="bf16"), "cpu")
+    model = engine.convert_module(model)
+    opt = engine.wrap_optimizer(LowMemSGD(model.parameters(), lr=1.0))
+    for _ in range(50):  # updates of 1e-3: below half a bf16 ulp of 1.0 (2^-8)
+        opt.zero_grad()
+        model.weight.grad = torch.full_like(model.weight, 1e-3)
+        opt.step()
+    assert model.weight.dtype == torch.bfloat16
+    assert abs(model.weight.float().mean().item() - 0.95) < 0.01  # round to nearest: 1.0

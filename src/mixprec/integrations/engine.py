@@ -122,6 +122,19 @@ class AmpConfig:
             )
         if not isinstance(self.hold_schedule_on_skip, bool):
             raise IntegrationError("AmpConfig hold_schedule_on_skip must be True or False.")
+        if self.resolve("cpu").low_memory:
+            # The framework builds and steps its own optimizer, which the integrations wrap but
+            # do not replace: O4 would train as plain bf16 weights under torch's optimizer,
+            # every update below half a bf16 ulp lost (O3), while it reports O4.
+            raise IntegrationError(
+                f"AmpConfig opt_level={self.opt_level!r} with low-memory weights or optimizer "
+                f"states (O4, master_weights='stochastic'/'kahan'/'split', optimizer_states="
+                f"'bf16'/'8bit') is not supported by the integrations: the framework's own "
+                f"optimizer would step bf16 weights by round-to-nearest. Valid levels here: "
+                f"'O0', 'O1', 'O2' or 'O3'. For O4's training state, build mixprec.LowMemAdamW "
+                f"(or LowMemAdam, LowMemSGD) in your optimizer factory (configure_optimizers) and "
+                f"train at opt_level='O3', or use mixprec.initialize / mixprec.TrainStep."
+            )
 
     def __reduce__(self) -> tuple[Any, ...]:
         # A mappingproxy cannot be pickled: rebuild from plain dicts (frozen again on the way in),
