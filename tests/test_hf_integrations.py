@@ -109,6 +109,24 @@ def test_accelerate_bf16_o2_clips_the_gradients_a_backward_left_on_the_model():
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
+def test_clipping_on_a_micro_batch_before_the_last_is_refused(level):
+    """Inside accelerator.accumulate, clipping on every micro-batch unscaled the first one's
+    gradients, and the next backward added scaled ones to them (a grad norm of 29,277 against
+    0.58): torch's GradScaler raises there, and so does mixprec, naming sync_gradients."""
+    acc = AmpAccelerator(accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2), level,
+                         "fp16")  # fmt: skip
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    model, _ = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+    with acc.accumulate(model):
+        acc.backward(F.cross_entropy(model(x), y))
+        acc.clip_grad_norm_(model.parameters(), 1.0)
+    with acc.accumulate(model), pytest.raises(IntegrationError, match="sync_gradients"):
+        acc.backward(F.cross_entropy(model(x), y))
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
 def test_accelerate_loop_equals_the_hand_written_loop(level):
     acc = AmpAccelerator(accelerate.Accelerator(cpu=True), level, "fp16", scaler=SCALER)
     metrics = mixprec.AmpMetrics(acc, every=STEPS)

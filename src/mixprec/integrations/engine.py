@@ -352,6 +352,19 @@ class AmpEngine:
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """Start a backward: the loss times the scale (fp16), as it is (bf16). No sync."""
+        if self.scaler is not None:
+            for amp in self.optimizers:
+                state = self.scaler._per_optimizer.get(id(amp.optimizer))
+                if state is not None and state.found_inf is not None:
+                    # torch's GradScaler raises here too (unscale_ already called since the
+                    # last update); going on would add scaled gradients to unscaled ones.
+                    raise IntegrationError(
+                        "a backward started after this iteration's gradients were unscaled "
+                        "(clip_grad_norm_ or unscale_ on an earlier micro-batch): its "
+                        "gradients would be added, still scaled, to unscaled ones. Clip once "
+                        "per optimizer step, after the last micro-batch (with Accelerate: "
+                        "`if accelerator.sync_gradients: accelerator.clip_grad_norm_(...)`)."
+                    )
         new_iteration = not any(amp._scaling.scaled for amp in self.optimizers)
         if new_iteration and self.options.master_weights and not self.sharded:
             # Frameworks clear the model's gradients (Transformers: model.zero_grad()), not
