@@ -5,6 +5,8 @@ an eager cast count for the cast pass."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -711,3 +713,22 @@ def test_the_mode_steps_aside_while_a_compiled_graph_runs(backend, monkeypatch):
     monkeypatch.setattr(AutocastMode, "__torch_function__", spy)
     got = compiled(x)
     assert seen == [] and got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_compile_of_a_model_keeps_the_policys_fp32_modules_as_initialize_does():
+    """mixprec.compile(model, policy) applied the op rules and dropped the module rules (the
+    model came back bf16 while explain said fp32): it now keeps them with initialize's hooks."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    x = torch.randn(4, 8)
+    policy = mixprec.Policy().keep_fp32("2")
+    ref = mixprec.initialize(copy.deepcopy(model), None, "O1", policy=policy)
+    compiled = mixprec.compile(model, policy=policy, backend="aot_eager", kernels="native")
+    out = compiled(x)
+    assert out.dtype == torch.float32 and compiled.mixprec_fp32.names == ("2",)
+    with mixprec.autocast("cpu", policy=policy):
+        want = ref(x)
+    assert want.dtype == torch.float32 and torch.equal(out, want)
+    with pytest.raises(mixprec.PolicyError, match="no module"):
+        mixprec.compile(torch.nn.Sequential(torch.nn.Linear(2, 2)),
+                        policy=mixprec.Policy().keep_fp32("9"), backend="aot_eager")  # fmt: skip

@@ -292,7 +292,12 @@ def compile(
     """
     amp = AmpBackend(policy=policy, dtype=dtype, device_type=device_type, backend=backend,
                      casts=casts, kernels=kernels)  # fmt: skip
+    kept = None
+    if isinstance(model_or_fn, torch.nn.Module) and amp.policy.fp32_modules:
+        kept = _keep_fp32(model_or_fn, amp)  # before the first trace: dynamo bakes hooks in
     compiled = torch.compile(model_or_fn, backend=amp, **compile_kwargs)
+    if kept is not None:
+        compiled.mixprec_fp32 = kept
     if isinstance(model_or_fn, torch.nn.Module):
         state = _Region(amp, model_or_fn)
         compiled.register_forward_pre_hook(state.enter)
@@ -307,6 +312,30 @@ def compile(
 
     run.mixprec_backend = amp  # type: ignore[attr-defined]
     return run
+
+
+def _keep_fp32(model: torch.nn.Module, amp: AmpBackend) -> Any:
+    """The policy's ``fp32_modules`` kept in fp32 on `model` (`mixprec.levels.keep_fp32`), as
+    ``initialize`` keeps them: the hooks are added to the model (they stay on it). A model that
+    ``initialize`` prepared with the policy has them already; they are not added twice.
+
+    Raises:
+        PolicyError: a selector that names no module of `model`.
+    """
+    from mixprec.levels.keep_fp32 import Fp32Modules
+    from mixprec.policy.fp32_modules import select_fp32
+
+    for module in model.modules():
+        for hook in module._forward_pre_hooks.values():
+            owner = getattr(hook, "__self__", None)
+            if isinstance(owner, Fp32Modules) and owner.model is model:
+                return owner
+    first = next(iter(model.parameters()), None)
+    device = amp.device_type or parse_device_type(first.device.type if first is not None
+                                                  else "cpu")  # fmt: skip
+    kept = Fp32Modules(model, device)
+    kept.set(select_fp32(model, amp.policy.fp32_modules))
+    return kept
 
 
 class _Region:

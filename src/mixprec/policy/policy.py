@@ -16,7 +16,8 @@ String grammar (for command lines and sweeps)::
 - ``fp8=<selector>+<selector>...`` - FP8 module rules (`mixprec.policy.modules`): ``auto``,
   ``all`` or a glob over module names puts linear layers in FP8, ``!<selector>`` keeps them out.
 - ``fp32_modules=<name>+<glob>...`` - modules whose whole forward runs in fp32 (qualified names or
-  globs, `mixprec.policy.fp32_modules`), where mixprec knows the model (``initialize``).
+  globs, `mixprec.policy.fp32_modules`), where mixprec knows the model (``initialize``,
+  ``TrainStep``, ``mixprec.compile(model)``).
 Edits apply in order; a later edit of the same op (or layer) wins.
 """
 
