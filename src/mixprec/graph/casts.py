@@ -151,12 +151,12 @@ def _nbytes(val: Any) -> int:
     if not isinstance(val, torch.Tensor):
         return 0
     n = val.numel()
-    try:
-        n = int(n)
-    except Exception:  # a symbolic size: count it at its hint
-        hint = getattr(getattr(n, "node", None), "hint", None)
-        n = int(hint) if hint is not None else 0
-    return n * val.element_size()
+    if isinstance(n, torch.SymInt):
+        # A symbolic size (dynamic=True): counted at its hint. int(n) would specialise the
+        # symbol, and the guard it adds recompiled the graph for every new batch size.
+        hint = getattr(n.node, "hint", None)
+        return (int(hint) if hint is not None else 0) * val.element_size()
+    return int(n) * val.element_size()
 
 
 def _itemsize(dtype: torch.dtype) -> int:
