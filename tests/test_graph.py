@@ -737,3 +737,11 @@ def test_compile_of_a_model_keeps_the_policys_fp32_modules_as_initialize_does():
     with pytest.raises(mixprec.PolicyError, match="no module"):
         mixprec.compile(torch.nn.Sequential(torch.nn.Linear(2, 2)),
                         policy=mixprec.Policy().keep_fp32("9"), backend="aot_eager")  # fmt: skip
+
+
+def test_a_misspelt_backend_is_refused_at_compile_time_with_the_nearest_name():
+    # torch.compile itself only fails at the first call, inside dynamo's error machinery.
+    with pytest.raises(
+        mixprec.PolicyError, match="unknown backend 'indcutor'. Did you mean 'inductor'"
+    ):
+        mixprec.compile(torch.nn.Linear(2, 2), backend="indcutor")

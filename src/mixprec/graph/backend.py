@@ -19,6 +19,7 @@ dynamo traces, are ordinary nodes of the captured graph, so they get the policy 
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import threading
 import warnings
@@ -91,6 +92,18 @@ class AmpBackend:
                 f"backend must be a torch.compile backend name ('inductor', 'aot_eager', "
                 f"'eager') or a backend callable, got {type(backend).__name__} {backend!r}."
             )
+        if isinstance(backend, str):
+            from torch._dynamo import list_backends  # registered names (dynamo is loading anyway)
+
+            names = list_backends(exclude_tags=())
+            if backend not in names:
+                close = difflib.get_close_matches(backend, names, n=1)
+                raise PolicyError(
+                    f"unknown backend {backend!r}."
+                    + (f" Did you mean {close[0]!r}?" if close else "")
+                    + " Common ones: 'inductor', 'aot_eager', 'eager' (torch._dynamo."
+                    "list_backends(exclude_tags=()) lists all), or pass a backend callable."
+                )
         self.policy = policy
         self.device_type = None if device_type is None else parse_device_type(device_type)
         if dtype is not None:
