@@ -224,6 +224,10 @@ def test_pickle_keeps_value_not_serial():
 def test_error_unknown_op_suggests():
     with pytest.raises(mixprec.PolicyError, match="unknown op name 'sofmax'.*Did you mean"):
         Policy().move("sofmax", to="fp32")
+    # Spelled with aten's namespace it was taken, and did nothing.
+    with pytest.raises(mixprec.PolicyError, match="unknown op name 'sofmax'.*Did you mean"):
+        Policy.from_string("lower=aten::sofmax")
+    assert str(Policy.from_string("lower=aten::softmax")) == "lower=softmax"
 
 
 def test_error_unknown_category_lists_options():

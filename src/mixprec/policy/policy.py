@@ -559,7 +559,9 @@ def _normalize_target(target: Target) -> str | Callable[..., Any]:
         name = target.strip()
         if "::" in name:
             ns, _, op = name.partition("::")
-            return op if ns == "aten" else name
+            # aten names are checked as bare names are ('aten::sofmax' was taken and did
+            # nothing); a custom op may be registered after the policy is written.
+            return _normalize_target(op) if ns == "aten" else name
         if "." in name:
             return _normalize_target(_import_path(name))
         if name in known_op_names() or any(name in t.ops for t in TABLES.values()):
