@@ -228,12 +228,17 @@ class AmpEngine:
 
     # ------------------------------------------------------------------ forward
 
-    def autocast(self) -> contextlib.AbstractContextManager:
-        """The forward region: ``mixprec.autocast`` for O1, nothing for the other levels."""
+    def autocast(self, cache_enabled: bool | None = None) -> contextlib.AbstractContextManager:
+        """The forward region: ``mixprec.autocast`` for O1, nothing for the other levels.
+
+        `cache_enabled` as the framework's own region sets it (Lightning's Trainer turns the
+        weight-cast cache off: a weight used twice then gets two casts, whose gradients add up
+        in fp32, not one whose gradient adds up in the low dtype)."""
         opts = self.options
         if not opts.patch_torch_functions:
             return contextlib.nullcontext()
-        return autocast(opts.device_type, dtype=opts.dtype, policy=opts.policy)
+        return autocast(opts.device_type, dtype=opts.dtype, policy=opts.policy,
+                        cache_enabled=cache_enabled)  # fmt: skip
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Apply the level to `module` in place (O2/O3: cast, fp32 norms, entry/exit hooks).

@@ -169,6 +169,12 @@ class MixprecPrecision(_Common, _TrainerPrecision):
         trainer = lightning.Trainer(plugins=[MixprecPrecision("O1", dtype="fp16")])
     """
 
+    def autocast_context_manager(self) -> AbstractContextManager:
+        """As `_Common`'s, with the weight-cast cache off, as Lightning's Trainer plugin has
+        it (``torch.autocast(..., cache_enabled=False)``): the same bits as its plugin where a
+        weight is used twice in one forward (tied embeddings)."""
+        return self.engine.autocast(cache_enabled=False)
+
     def __init__(
         self,
         opt_level: str = "O1",
