@@ -529,6 +529,10 @@ def test_cast_report_and_explain_name_each_cast():
     rows = {r["op"]: r for r in report.rows}
     assert rows["layer_norm"]["category"] == "fp32" and rows["linear"]["category"] == "lower"
     assert '"casts"' in report.to_json()
+    # Settings a compiled model cannot be explained with are refused, not silently ignored.
+    with pytest.raises(mixprec.MixprecError, match=r"dtype=, policy=, backward= cannot apply"):
+        mixprec.explain(compiled, torch.randn(2, 8), dtype="fp16", policy="fp32=linear",
+                        backward=True)  # fmt: skip
 
 
 def test_dynamic_shapes():

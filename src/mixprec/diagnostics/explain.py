@@ -417,6 +417,17 @@ def explain(
     if compiled_by is not None:  # compiled with mixprec.compile: report its graphs' aten ops
         from mixprec.graph.explain import explain_compiled
 
+        given = {"device_type": device_type, "dtype": dtype, "policy": policy,
+                 "backward": backward or None}  # fmt: skip
+        ignored = ", ".join(f"{k}=" for k, v in given.items() if v is not None)
+        if ignored:
+            raise MixprecError(
+                f"explain of a model compiled with mixprec.compile reports what its graphs ran "
+                f"with the settings it was compiled with, so {ignored} cannot apply."
+                f" Explain the uncompiled model with them, or compile it again with them "
+                f"(mixprec.compile(model, policy=..., dtype=...))."
+            )
+
         return explain_compiled(model, example_inputs, forward_kwargs, compiled_by)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"explain needs a torch.nn.Module, got {type(model).__name__}.")
