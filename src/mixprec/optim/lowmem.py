@@ -174,8 +174,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
         _check_group(defaults)
         super().__init__(params, defaults)  # each group checked by add_param_group
         # While a step runs under the scaler's contract: the 0-dim bool "skip this step". A
-        # list, mutated in place: an attribute set and read back within one traced step read
-        # as the class's default under dynamo (the skip vanished from the compiled update).
+        # list mutated in place rather than an attribute assigned during the step: dynamo
+        # read an attribute assigned earlier in the same trace as absent (`step_scaled`).
         self._skipping: list[torch.Tensor | None] = [None]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
