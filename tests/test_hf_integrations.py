@@ -251,6 +251,23 @@ def test_trainer_bf16_equals_the_trainers_own_bf16(tmp_path):
         assert torch.equal(a, b)
 
 
+def test_trainer_o2_saves_a_model_that_loads_back_in_fp32(tmp_path):
+    """O2 saves the fp32 masters, and config.json said float16 (the live weights' dtype), so
+    from_pretrained loaded them as fp16. It says float32 now, as the plain Trainer's does."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = AmpTrainer(model=_gpt2(), args=_args(tmp_path / "run"),
+                             train_dataset=_Tokens(), amp=AmpConfig("O2", "fp16"))  # fmt: skip
+        trainer.train()
+        trainer.save_model(str(tmp_path / "final"))
+        loaded = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "final"))
+    assert next(trainer.model.parameters()).dtype == torch.float16  # trained at O2
+    masters = trainer.model.state_dict()
+    for name, value in loaded.state_dict().items():
+        assert value.dtype == torch.float32, name
+        assert torch.equal(value, masters[name]), name
+
+
 class _Overflow(AmpTrainer):
     def compute_loss(self, model, inputs, *args, **kwargs):
         loss = super().compute_loss(model, inputs, *args, **kwargs)

@@ -31,6 +31,8 @@ Install with ``pip install -e '.[hf]'`` (in the checkout).
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 from mixprec.integrations import require
@@ -150,6 +152,28 @@ class AmpTrainerMixin:
         if metrics is not None:
             metrics.record_loss(loss)
         return loss
+
+    def _save(self, output_dir: str | None = None, state_dict: Any = None) -> None:
+        """The Trainer's save; at O2 the config names the dtype the weights were saved in.
+
+        O2's state dict holds the fp32 masters, but ``save_pretrained`` writes the live
+        parameters' dtype (fp16/bf16) into config.json, and ``from_pretrained`` would load the
+        fp32 weights as low precision. The dtype entry is set to float32."""
+        super()._save(output_dir, state_dict)  # type: ignore[misc]
+        options = getattr(getattr(self.accelerator, "_engine", None), "options", None)
+        if options is None or not options.master_weights or not self.args.should_save:
+            return
+        path = os.path.join(output_dir or self.args.output_dir, "config.json")
+        if not os.path.isfile(path):
+            return
+        with open(path) as fh:
+            config = json.load(fh)
+        keys = [k for k in ("dtype", "torch_dtype") if k in config]
+        if keys:
+            for key in keys:
+                config[key] = "float32"
+            with open(path, "w") as fh:
+                json.dump(config, fh, indent=2, sort_keys=True)
 
     @property
     def amp_scaler(self) -> Any:
