@@ -68,6 +68,25 @@ def test_no_host_read_between_flushes_and_rows_match_the_scale_history():
     assert [step for step, _ in batches[0].events] == [3, 4]
 
 
+@pytest.mark.parametrize("scaled", [True, False])
+def test_a_flush_with_nothing_new_adds_no_row(scaled):
+    """A flush at the end of training, right after a batch (Lightning's on_train_end), logged
+    a partial duplicate row for the last step; without a scaler (bf16) too."""
+    model, opt, scaler = _setup()
+    metrics = mixprec.AmpMetrics(scaler if scaled else None, every=2)
+    for i in range(4):
+        if scaled:
+            _step(model, opt, scaler, i, metrics)
+        else:
+            metrics.record_loss(torch.tensor(1.0))
+        metrics.step()
+    assert metrics.flush().rows == []
+    metrics.record_loss(torch.tensor(INF))  # a new count, no new step: still no row
+    # (steps 2 and 3 of _step overflow their loss; the plain counts had none)
+    assert metrics.flush().rows == []
+    assert metrics.totals["nan-iterations"] == (3.0 if scaled else 1.0)
+
+
 def test_names_follow_megatron_and_deepspeed():
     # Megatron-LM's TensorBoard tag and console counters; DeepSpeed's monitor tag and counter.
     assert NAMES["megatron"].loss_scale == "loss-scale"

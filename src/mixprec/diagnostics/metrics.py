@@ -166,6 +166,7 @@ class AmpMetrics:
         self._unflushed = 0  # step() calls since the last flush (host count)
         self._steps = 0  # step() calls so far (the step number when there is no scaler)
         self._nan: torch.Tensor | None = None  # device count of non-finite losses
+        self._nan_row_step = 0  # the last step whose row carried that count
         self._moves_read = 0  # healing moves already logged
 
     def add_sink(self, sink: Callable[[MetricsBatch], None]) -> None:
@@ -252,8 +253,12 @@ class AmpMetrics:
             totals[names.nan] = values[-1]
             if rows:
                 rows[-1][1][names.nan] = values[-1]
-            else:
+            elif self._steps > self._nan_row_step:
+                # No scaler rows (bf16): the count's own row; none again for a step that had
+                # its row (a flush at the end of training logged a partial duplicate).
                 rows.append((self._steps, {names.nan: values[-1]}))
+            if rows:
+                self._nan_row_step = rows[-1][0]
         moves = self._moves(rows, totals)
         self.totals = totals
         return MetricsBatch(rows, events, totals, names.nonfinite, moves, names.healed + "/moves")
