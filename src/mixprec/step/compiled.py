@@ -237,8 +237,8 @@ class StepUpdate:
         # mixprec's low-memory optimizers take the scale (fp16 gradients are not unscaled in
         # place) and skip exactly themselves: nothing saved to restore. Not with clipping
         # (it needs unscaled gradients) or step hooks (which only `step` runs).
-        self._takes_scale = (clip is None and unwrapped
-                             and isinstance(inner, LowMemOptimizer))  # fmt: skip
+        self._lowmem = clip is None and isinstance(inner, LowMemOptimizer)
+        self._takes_scale = self._lowmem and unwrapped
         self.split: str | None = None
         if not unwrapped:
             self.split = "the optimizer's step hooks run between graphs"
@@ -342,8 +342,7 @@ class StepUpdate:
         inner = opt.optimizer
         opt._after_backward()
         scaler = opt.scaler
-        takes_scale = self.clip is None and isinstance(inner, LowMemOptimizer)
-        if scaler is not None and scaler.is_enabled() and not takes_scale:
+        if scaler is not None and scaler.is_enabled() and not self._lowmem:
             scaler.unscale_(inner)  # else scaler.step hands the optimizer the scale
         if self.clip is not None:
             params = [p for g in inner.param_groups for p in g["params"]]
@@ -427,7 +426,7 @@ class StepUpdate:
             if state is not None:
                 found = torch.zeros((), dtype=torch.float32, device=state.scale.device)
                 # The reciprocal in fp64, as the eager scaler (and torch's) takes it.
-                inv = state.scale.double().reciprocal().float()
+                inv = None if takes_scale else state.scale.double().reciprocal().float()
                 grads = [p.grad for p in params]
                 by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
                 for grad in grads:
@@ -442,24 +441,20 @@ class StepUpdate:
             if found is None:
                 self._step()
                 skipped = None
-            elif takes_scale:
-                skip = found != 0
-                inner.step_scaled(state.scale, skip.float())
-                flag.copy_(skip)
-                skipped = flag
-                new = update_scale(state, found, scaler._config)
-                for cur, nxt in zip(state, new, strict=True):
-                    cur.copy_(nxt)
             else:
-                # Exact skip: the state before the update, selected back where found_inf is set.
-                tracked = list(params)
-                for p in params:
-                    tracked += [v for v in inner.state.get(p, {}).values()]
-                saved = [t.clone() for t in tracked]
-                self._step()
                 skip = found != 0
-                for current, old in zip(tracked, saved, strict=True):
-                    current.copy_(torch.where(skip, old, current))
+                if takes_scale:
+                    inner.step_scaled(state.scale, skip.float())
+                else:
+                    # Exact skip: the state before the update, selected back where found_inf
+                    # is set.
+                    tracked = list(params)
+                    for p in params:
+                        tracked += [v for v in inner.state.get(p, {}).values()]
+                    saved = [t.clone() for t in tracked]
+                    self._step()
+                    for current, old in zip(tracked, saved, strict=True):
+                        current.copy_(torch.where(skip, old, current))
                 flag.copy_(skip)
                 skipped = flag
                 new = update_scale(state, found, scaler._config)
