@@ -184,6 +184,35 @@ def test_tensor_attributes_read_inside_a_compiled_region_are_their_own():
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_region_opened_inside_a_compiled_function_around_attention_is_one_graph(backend):
+    """``Tensor.unflatten`` (inside ``F.multi_head_attention_forward``) calls zero-argument
+    ``super()``, which dynamo cannot inline when a mode hands the method over: the whole frame
+    fell back to eager, and under aot_eager the region's output came back fp32."""
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+
+    def ours(x):
+        with mixprec.autocast("cpu"):
+            return mha(x, x, x, need_weights=False)[0], x.unflatten(-1, (4, 4))
+
+    def reference(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return mha(x, x, x, need_weights=False)[0], x.unflatten(-1, (4, 4))
+
+    counter = CompileCounter() if backend == "eager" else backend
+    out, unflat = torch.compile(ours, backend=counter, fullgraph=True)(x)
+    want, want_unflat = reference(x)
+    assert out.dtype == want.dtype == torch.bfloat16
+    assert torch.equal(out, want) and torch.equal(unflat, want_unflat)
+    (grad,) = torch.autograd.grad(out.float().sum(), x)
+    (want_grad,) = torch.autograd.grad(want.float().sum(), x)
+    assert torch.equal(grad, want_grad)
+    if backend == "eager":
+        assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_edited_policy_holds_under_compile(backend, state_tracing):
     # layer_norm moved to fp32 (torch's CPU list leaves it alone) and mm taken out of the list:
     # the guards that keep torch's dispatcher off trace without a graph break.

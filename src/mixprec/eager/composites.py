@@ -29,6 +29,7 @@ __all__ = [
     "needs_reentry",
     "reachable_names",
     "reentrant_copy",
+    "super_calling_methods",
     "torch_python_functions",
     "transparent_names",
 ]
@@ -136,6 +137,26 @@ def torch_python_functions() -> tuple[types.FunctionType, ...]:
             if isinstance(value, types.FunctionType) and _dispatches(value):
                 found[id(value)] = value
     return tuple(found.values())
+
+
+@functools.cache
+def super_calling_methods() -> tuple[types.FunctionType, ...]:
+    """Python-level Tensor methods whose bodies call zero-argument ``super()``
+    (``Tensor.unflatten``).
+
+    Dynamo cannot inline such a body when a torch function mode hands the method over as a
+    plain function (it has no class to resolve ``super()`` against) and falls back to eager for
+    the whole frame; called as a method, dynamo records it natively.
+    """
+    found = []
+    for value in vars(torch.Tensor).values():
+        fn = value
+        while isinstance(fn, types.FunctionType):
+            if "__class__" in fn.__code__.co_freevars:
+                found.append(value)
+                break
+            fn = getattr(fn, "__wrapped__", None)
+    return tuple(found)
 
 
 def _dispatches(fn: types.FunctionType) -> bool:

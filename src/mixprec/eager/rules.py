@@ -31,6 +31,7 @@ __all__ = [
     "DecomposeRule",
     "DeviceSwitch",
     "Guarded",
+    "MethodCallRule",
     "ReentryRule",
     "Rule",
     "make_rule",
@@ -439,6 +440,29 @@ class ArgumentSwitch:
         if rule is None:
             return func(*args, **kwargs) if kwargs else func(*args)
         return rule(mode, func, args, kwargs)
+
+
+class MethodCallRule:
+    """Pass a Python-level Tensor method through; in a dynamo trace, as a method call.
+
+    For methods whose bodies dynamo cannot inline when handed over as plain functions
+    (``composites.super_calling_methods``: ``Tensor.unflatten`` calls ``super()``): without it,
+    any compiled function reaching one inside a region (``nn.MultiheadAttention`` does) fell back
+    to eager as a whole.
+    """
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"MethodCallRule({self.name!r})"
+
+    def __call__(self, mode: Any, func: Callable[..., Any], args: tuple, kwargs: dict | None):
+        if dynamo_tracing():
+            return getattr(args[0], self.name)(*args[1:], **(kwargs or {}))
+        return func(*args, **kwargs) if kwargs else func(*args)
 
 
 class DecomposeRule:

@@ -28,6 +28,7 @@ from mixprec.eager.rules import (
     DecomposeRule,
     DeviceSwitch,
     Guarded,
+    MethodCallRule,
     ReentryRule,
     make_rule,
 )
@@ -128,16 +129,28 @@ class DispatchTable:
             for fn in (*_overridable(), *composites.torch_python_functions(), *list(_DECLARED)):
                 if fn not in self._memo:
                     self._memo[fn] = self._classify(fn)
+            for fn in composites.super_calling_methods():
+                if self._memo.get(fn) is None:
+                    self._memo[fn] = MethodCallRule(fn.__name__)
         # Keys dynamo cannot guard go to `late` (traced code never reads it): property getters
         # break its guards outright, and it guards the Python-level Tensor methods of
         # torch/_tensor.py (``__rdiv__``, ``__rpow__``, ...) as absent from a dict that holds
         # them, which fails on the frame that created the guard.
         for fn in [fn for fn in self._memo if not _guardable(fn)]:
             self.late[fn] = self._memo.pop(fn)
+        # What traced code may still read for such keys (`traced_rule_index`, run outside the
+        # trace): only rules written for traces, never rules classified later in eager code.
+        self.traced_late: dict[Any, Any] = {
+            fn: r for fn, r in self.late.items() if isinstance(r, MethodCallRule)
+        }
         #: The distinct rules of `memo`, in a fixed order: what torch.compile traces reads (by
         #: index, see `traced_rule_index`) instead of the memo itself.
         self.traced_rules: tuple[Any, ...] = tuple(
-            {id(r): r for r in self._memo.values() if r is not None}.values()
+            {
+                id(r): r
+                for r in (*self._memo.values(), *self.traced_late.values())
+                if r is not None
+            }.values()
         )
         self._traced_index = {id(r): i for i, r in enumerate(self.traced_rules)}
 
@@ -318,6 +331,8 @@ def traced_rule_index(table: DispatchTable, func: Any) -> int:
     """
     try:
         rule = table.memo.get(func, MISS)
+        if rule is MISS:
+            rule = table.traced_late.get(func, MISS)
     except TypeError:  # unhashable
         return -2
     if rule is None:
