@@ -328,6 +328,26 @@ def test_zeroing_the_model_gradients_is_enough_between_o2_iterations():
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
+def test_a_plain_backward_at_bf16_o2_uses_only_this_steps_gradients():
+    """bf16 O2 needs no scale_loss block: a plain backward then step must not add the masters'
+    gradients of the steps before (they were kept, and each step summed all earlier ones)."""
+    xs = [torch.randn(8, 4) for _ in range(3)]
+    used = {}
+    for zero in ("optimizer", "model"):
+        torch.manual_seed(0)
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = mixprec.initialize(model, opt, "O2", dtype=torch.bfloat16)
+        used[zero] = []
+        for x in xs:
+            (opt.zero_grad if zero == "optimizer" else model.zero_grad)()
+            model(x).float().pow(2).mean().backward()
+            opt.step()
+            used[zero].append([m.grad.clone() for m in mixprec.master_params(opt)])
+    for a, b in zip(used["optimizer"], used["model"], strict=True):
+        assert all(torch.equal(ga, gb) for ga, gb in zip(a, b, strict=True))
+
+
 # ------------------------------------------------------------------ several losses
 
 

@@ -409,6 +409,13 @@ class AmpOptimizer(torch.optim.Optimizer):
                 f"then optimizer.step(); an optimizer that needs a closure (LBFGS) runs with "
                 f"bf16 at O1 or O3 (no loss scaling, no masters)."
             )
+        if self._stepped:
+            # A plain backward since the last step (bf16, no scale_loss block): the masters
+            # still hold the gradients that step used; drop them, as `_start_backward` does,
+            # or every step would add all earlier gradients again.
+            self._stepped = False
+            for master in self._masters:
+                master.grad = None
         self._after_backward()
         scaler = self.scaler
         if scaler is None:
