@@ -435,3 +435,23 @@ def test_a_wrapper_that_cannot_be_rebuilt_for_o2_is_refused_before_the_model_cha
     with pytest.raises(MixprecError, match="Pass a factory instead"):
         mixprec.initialize(model, TwoInner(model.parameters()), "O2", dtype=FP16)
     assert model.weight.dtype == torch.float32 and not model._forward_pre_hooks
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_model_after_initialize_can_be_copied_and_pickled(level, tmp_path):
+    """EMA/SWA (torch.optim.swa_utils.AveragedModel, timm's ModelEmaV2) deep-copy the model, and
+    torch.save(model) pickles it: the hooks' per-thread stack could be neither."""
+    model, opt = _o2(opt_level=level)
+    x = torch.randn(8, 4)
+    _step(model, opt, x)
+    ema = torch.optim.swa_utils.AveragedModel(model)
+    ema.update_parameters(model)
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    with torch.no_grad():
+        want = model(x)
+        assert torch.equal(ema(x), want) and torch.equal(loaded(x), want)
+    assert loaded.lin.weight.dtype == model.lin.weight.dtype
+    assert all(v.dtype == torch.float32 for v in loaded.state_dict().values())
+    _step(model, opt, x)  # the original trains on, its masters untouched by the copies
+    assert not torch.equal(model(x), loaded(x))

@@ -154,6 +154,11 @@ class _Regions(threading.local):
     def __init__(self) -> None:
         self.stack: list[Any] = []
 
+    def __reduce__(self) -> tuple[type, tuple]:
+        # A copy or pickle of the model (EMA/SWA's deepcopy, torch.save(model)) takes the
+        # hooks along: they get a fresh, empty stack (regions are open only inside a call).
+        return (type(self), ())
+
 
 def _to_fp32(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return cast_floats(args, torch.float32), cast_floats(kwargs, torch.float32)

@@ -42,6 +42,11 @@ class MasterMap:
     def __init__(self) -> None:
         self._by_id: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy or pickle of the model (EMA/SWA's deepcopy, torch.save(model)) has weights
+        # of its own, which no optimizer's masters track: its state dict reads its weights.
+        return {"_by_id": {}}
+
     def add(self, low: torch.Tensor, master: torch.Tensor) -> None:
         """Record `master` as the master of `low`."""
         self._by_id[id(low)] = (weakref.ref(low), weakref.ref(master))
