@@ -455,3 +455,39 @@ def test_a_model_after_initialize_can_be_copied_and_pickled(level, tmp_path):
     assert all(v.dtype == torch.float32 for v in loaded.state_dict().values())
     _step(model, opt, x)  # the original trains on, its masters untouched by the copies
     assert not torch.equal(model(x), loaded(x))
+
+
+def test_o3_recasts_the_state_an_optimizer_already_holds():
+    """Apex's order "load the checkpoint, then initialize" (or resuming fp32 training at O3):
+    the optimizer's moments were fp32 beside bf16 weights, and the first step failed. They are
+    cast as torch's load_state_dict casts them (Apex did the same)."""
+    x = torch.randn(8, 4)
+
+    def warmed():
+        model = _net()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        return model, opt
+
+    model, opt = warmed()
+    model, opt = mixprec.initialize(model, opt, "O3", dtype=torch.bfloat16)
+    ref_model, ref_opt = warmed()
+    ref_model.to(torch.bfloat16)
+    ref_opt.load_state_dict(ref_opt.state_dict())  # torch casts the moments to the weights'
+    for _ in range(2):
+        with mixprec.scale_loss(model(x).float().pow(2).mean(), opt) as s:
+            s.backward()
+        opt.step()
+        opt.zero_grad()
+        with mixprec.autocast("cpu", dtype=torch.bfloat16):
+            ref_model(x.bfloat16()).float().pow(2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+        assert p.dtype == torch.bfloat16 and torch.equal(p, q)
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(opt.optimizer.state[p].values(), ref_opt.state[q].values(), strict=True)
+        )

@@ -194,6 +194,8 @@ def initialize(
     wrapped = []
     for opt in opt_list:
         inner = _inner_optimizer(opt, masters, model_list)
+        if inner is opt:
+            _recast_state(opt)
         if options.low_memory and not isinstance(inner, lowmem.LowMemOptimizer):
             # The same hyperparameters, stepping the same tensors (the model's low-precision
             # weights, or O2's masters), with the level's weights and states modes.
@@ -218,6 +220,24 @@ def initialize(
     out_models = models if isinstance(models, (list, tuple)) else model_list[0]
     out_opts = wrapped if isinstance(optimizers, (list, tuple)) else wrapped[0]
     return out_models, out_opts
+
+
+def _recast_state(opt: Any) -> None:
+    """Cast the state an optimizer already holds (loaded before initialize, or from fp32
+    steps) to its parameters' new dtype, as torch's ``load_state_dict`` casts it (Apex did the
+    same): O3's bf16 weights with fp32 moments failed in the first step."""
+    state = getattr(opt, "state", None)
+    if not isinstance(opt, torch.optim.Optimizer) or not state:
+        return
+    stale = any(
+        isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0
+        and v.dtype != p.dtype
+        for p, entry in state.items()
+        for k, v in entry.items()
+        if k != "step"
+    )  # fmt: skip
+    if stale:
+        opt.load_state_dict(opt.state_dict())
 
 
 def _is_wrapper(opt: Any) -> bool:
