@@ -491,3 +491,31 @@ def test_o3_recasts_the_state_an_optimizer_already_holds():
             torch.equal(a, b)
             for a, b in zip(opt.optimizer.state[p].values(), ref_opt.state[q].values(), strict=True)
         )
+
+
+@pytest.mark.parametrize("level", ["O2", "O4"])
+def test_a_scheduler_made_before_a_level_that_steps_a_new_optimizer_is_refused(level):
+    """At O2/O4 the optimizer that steps is a new one: a scheduler created on the one passed in
+    drove nothing and training ran at the first lr (Apex patched in place, so HF's Apex recipe,
+    scheduler then amp.initialize, worked there). Refused, naming the order that works."""
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.0 if step else 1.0)
+    with pytest.raises(RuntimeError, match="Create the scheduler after initialize"):
+        mixprec.initialize(model, opt, level, dtype=torch.bfloat16)
+    assert model.weight.dtype == torch.float32 and not model._forward_pre_hooks
+
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    model, opt = mixprec.initialize(model, opt, level, dtype=torch.bfloat16)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.0 if step else 1.0)
+    x = torch.randn(8, 4)
+    moved = []
+    for _ in range(2):
+        opt.zero_grad()
+        with mixprec.scale_loss(model(x).float().pow(2).mean(), opt) as s:
+            s.backward()
+        before = model.weight.detach().clone()
+        opt.step()
+        scheduler.step()
+        moved.append(not torch.equal(before, model.weight))
+    assert moved == [True, False]  # lr 1, then 0: the scheduler drives the stepping optimizer

@@ -151,6 +151,8 @@ def initialize(
                 )
             if options.master_weights and _is_wrapper(opt):
                 wrapped_optimizer(opt)  # rebuilt over the masters later: refuse it now
+            if options.master_weights or options.low_memory:
+                _check_no_scheduler(opt, options)
             if options.low_memory:
                 lowmem.check_convertible(opt)  # replaced by a low-memory one later: refuse it now
         if options.low_memory and "sharded" in kinds:
@@ -220,6 +222,25 @@ def initialize(
     out_models = models if isinstance(models, (list, tuple)) else model_list[0]
     out_opts = wrapped if isinstance(optimizers, (list, tuple)) else wrapped[0]
     return out_models, out_opts
+
+
+def _check_no_scheduler(opt: Any, options: AmpOptions) -> None:
+    """Refuse an optimizer that a learning-rate scheduler already drives, when the level steps a
+    new one (O2's masters, O4's low-memory optimizer): the scheduler would keep setting the lr
+    of the optimizer passed in, which no longer steps anything, and training would run at the
+    first lr. (Apex patched the optimizer in place, so its order of calls did not matter.)"""
+    fields = getattr(opt, "__dict__", None) or {}  # a wrapper (LARC) holds the optimizer
+    candidates = [opt, *(v for v in fields.values() if isinstance(v, torch.optim.Optimizer))]
+    if any(getattr(getattr(o, "step", None), "_wrapped_by_lr_sched", False) for o in candidates):
+        what = "over fp32 master weights" if options.master_weights else "with low-memory states"
+        raise UsageError(
+            f"a learning-rate scheduler was created on this {type(opt).__name__} before "
+            f"initialize, but {options.level.value} steps a new optimizer {what}: the "
+            f"scheduler would set the lr of an optimizer that no longer steps. Create the "
+            f"scheduler after initialize, on the optimizer it returns: model, optimizer = "
+            f"mixprec.initialize(model, optimizer, ...); scheduler = "
+            f"torch.optim.lr_scheduler.X(optimizer, ...)."
+        )
 
 
 def _recast_state(opt: Any) -> None:
