@@ -40,7 +40,9 @@ class Via:
             the inner op's low-precision results into a buffer of its input dtype, as
             ``_trilinear`` does on CPU).
         resolve: for composites whose inner op depends on the arguments (``pad``'s mode): a
-            function of ``(args, kwargs)`` returning the inner op's name, or None.
+            function of ``(args, kwargs)`` returning the inner op's name, or None (no listed
+            op: the call runs in its input dtype). On the device types in `dispatcher`, `ops`
+            decides instead.
         decompose: for composites that mix precisions in a way no cast of the outer call
             reproduces: a Python re-statement of the C++ body, run under the region so each of
             its ops gets the policy (``bilinear`` on CPU: ``_trilinear`` in bf16, then ``+ bias``
@@ -103,6 +105,48 @@ def _matrix_power_inner(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str
     return "mm" if isinstance(n, int) and n >= 2 else None
 
 
+def _lstm_inner(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str | None:
+    # at::lstm (aten/src/ATen/native/RNN.cpp) takes oneDNN's kernel, which torch.autocast
+    # lowers (mkldnn_rnn_layer), only where use_mkldnn(input, params, hx) holds and the LSTM has
+    # no projections; the packed-sequence overload lstm(data, batch_sizes, hx, ...) never does.
+    # Elsewhere it runs its native cells, whose gate matmuls torch casts inside the kernel
+    # and whose state update stays fp32 (a KNOWN_DEVIATION: mixprec runs them in the input
+    # dtype). CUDA never asks: there the call
+    # is left to the dispatcher (`Via.dispatcher`).
+    import torch
+
+    input = args[0] if args else kwargs.get("input", kwargs.get("data"))
+    hx = args[1] if len(args) > 1 else kwargs.get("hx")
+    params = args[2] if len(args) > 2 else kwargs.get("params", ())
+    if not isinstance(input, torch.Tensor) or not isinstance(hx, (list, tuple)) or len(hx) != 2:
+        return None  # the packed overload (its second argument is the batch_sizes tensor)
+    if not torch.backends.mkldnn.is_available() or not torch._C._get_mkldnn_enabled():
+        return None
+    for t in (input, *hx, *params):
+        # Backend::CPU: a dense, non-quantized CPU tensor.
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+            return None
+        if t.layout is not torch.strided or t.is_quantized:
+            return None
+    dtype = input.dtype
+    supported = (
+        dtype is torch.float32
+        or (dtype is torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        or (
+            dtype is torch.float16
+            and not torch.is_grad_enabled()
+            and torch.ops.mkldnn._is_mkldnn_fp16_supported()
+        )
+    )
+    if not supported or input.numel() == 0:
+        return None
+    if hx[0].shape[-1] != hx[1].shape[-1]:
+        # Projections (proj_size > 0): oneDNN has none, and torch's native cells end each step
+        # on a lowered at::matmul (h = w_hr @ ...), so the output is low; lowered as a whole.
+        return "matmul"
+    return "mkldnn_rnn_layer"
+
+
 def _bilinear(input1: Any, input2: Any, weight: Any, bias: Any = None) -> Any:
     # The body of at::bilinear (aten/src/ATen/native/Linear.cpp).
     import torch
@@ -140,7 +184,7 @@ COMPOSITES: Mapping[str, Via] = MappingProxyType(
         "pairwise_distance": Via(("norm",)),
         "pad": Via(resolve=_pad_inner),
         # recurrent layers: cuDNN on CUDA (torch autocasts _cudnn_rnn), oneDNN or addmm on CPU
-        "lstm": Via(("_cudnn_rnn", "mkldnn_rnn_layer"), dispatcher=("cuda",)),
+        "lstm": Via(("_cudnn_rnn",), resolve=_lstm_inner, dispatcher=("cuda",)),
         "gru": Via(("_cudnn_rnn",), dispatcher=("cuda",)),
         "rnn_tanh": Via(("_cudnn_rnn", "addmm"), dispatcher=("cuda",)),
         "rnn_relu": Via(("_cudnn_rnn", "addmm"), dispatcher=("cuda",)),
@@ -160,7 +204,11 @@ KNOWN_DEVIATIONS: Mapping[str, str] = MappingProxyType(
         "lstm_cell": "CPU: gates from bf16 linear, cell-state update in fp32 against an fp32 cx",
         "linalg_pinv": "CPU: svd in fp32 (listed), final matmul in bf16",
         "linalg_matrix_power": "negative powers: inverse in fp32 (CPU list), then mm in bf16",
-        "lstm": "CPU: oneDNN returns the final cell state c_n in fp32; mixprec's is bf16",
+        "lstm": (
+            "CPU: oneDNN returns the final cell state c_n in fp32 (mixprec's is bf16); without "
+            "oneDNN (packed sequences, mkldnn disabled) torch's gates come from bf16 matmuls and "
+            "the state update is fp32, mixprec's are fp32"
+        ),
         "tensordot": "degenerate shapes (size-1 contractions) skip torch's mm; mixprec lowers",
     }
 )

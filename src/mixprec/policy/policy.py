@@ -344,7 +344,8 @@ class Policy:
         for name, via in COMPOSITES.items():
             if name in ops:
                 continue  # listed (or edited) itself: the outer registration wins
-            if via.resolve is not None or via.decompose is not None:
+            per_call = via.resolve is not None and device_type not in via.dispatcher
+            if per_call or via.decompose is not None:
                 dynamic[name] = via
                 reasons[name] = (
                     "a C++ composite whose inner ops depend on its arguments: mixprec decides "
