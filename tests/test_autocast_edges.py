@@ -1,0 +1,80 @@
+"""Edge cases where mixprec.autocast must decide as torch.autocast does (QA findings), each
+checked against torch.autocast as the reference on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence
+
+import mixprec
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def _torch_region():
+    return torch.autocast("cpu", dtype=BF16)
+
+
+def _mixprec_region():
+    return mixprec.autocast("cpu", dtype=BF16)
+
+
+# --------------------------------------------------------------------------------- LSTM on CPU
+
+
+def _lstm_runs():
+    torch.manual_seed(0)
+    lstm = nn.LSTM(4, 6)
+    proj = nn.LSTM(4, 6, proj_size=3)
+    x = torch.randn(3, 2, 4)
+
+    def packed():
+        return lstm(pack_padded_sequence(x, [3, 2]))[0].data
+
+    def onednn_disabled():
+        with torch.backends.mkldnn.flags(enabled=False):
+            return lstm(x)[0]
+
+    def projections():
+        return proj(x)[0]
+
+    return {"packed": packed, "mkldnn disabled": onednn_disabled, "projections": projections}
+
+
+@pytest.mark.parametrize("case", ["packed", "mkldnn disabled"])
+def test_lstm_off_the_onednn_path_stays_fp32_as_in_torch(case):
+    """torch.autocast lowers a CPU LSTM only on oneDNN's path (mkldnn_rnn_layer); packed
+    sequences and a disabled oneDNN run the native cells, whose result is fp32.
+    mixprec computes those in fp32 throughout (a documented deviation: torch's gate matmuls are
+    bf16), so the dtype is torch's and the values are the fp32 ones."""
+    run = _lstm_runs()[case]
+    with _torch_region():
+        ref = run()
+    with _mixprec_region():
+        got = run()
+    full = run()
+    assert got.dtype == ref.dtype == FP32
+    assert torch.equal(got, full)
+    torch.testing.assert_close(got, ref, atol=1e-2, rtol=0)  # torch: bf16 gate matmuls
+
+
+def test_lstm_with_projections_is_low_as_in_torch():
+    # oneDNN has no projections: torch's native cells end each step on a lowered matmul.
+    run = _lstm_runs()["projections"]
+    with _torch_region():
+        ref = run()
+    with _mixprec_region():
+        got = run()
+    assert got.dtype == ref.dtype == BF16
+    torch.testing.assert_close(got.float(), ref.float(), atol=5e-2, rtol=0)
+
+
+def test_lstm_on_the_onednn_path_is_still_lowered():
+    # torch's own bf16 oneDNN LSTM fails on CPUs without oneDNN bf16 support, so mixprec is
+    # checked against the decision alone: this call takes torch's oneDNN path.
+    torch.manual_seed(0)
+    lstm = nn.LSTM(4, 6)
+    with _mixprec_region():
+        assert lstm(torch.randn(3, 2, 4))[0].dtype == BF16
