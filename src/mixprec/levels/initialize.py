@@ -225,21 +225,26 @@ def initialize(
 
 
 def _check_no_scheduler(opt: Any, options: AmpOptions) -> None:
-    """Refuse an optimizer that a learning-rate scheduler already drives, when the level steps a
-    new one (O2's masters, O4's low-memory optimizer): the scheduler would keep setting the lr
-    of the optimizer passed in, which no longer steps anything, and training would run at the
-    first lr. (Apex patched the optimizer in place, so its order of calls did not matter.)"""
+    """Warn about an optimizer that a learning-rate scheduler already drives, when the level
+    steps a new one (O2's masters, O4's low-memory optimizer): the scheduler keeps setting the
+    lr of the optimizer passed in, which no longer steps anything, so training would run at
+    the first lr. (Apex patched the optimizer in place, so its order of calls did not matter.)
+    A warning, not an error: ``SkipAwareLR(scheduler, scaler, optimizer=amp_optimizer)`` is the
+    documented way to keep such a scheduler."""
     fields = getattr(opt, "__dict__", None) or {}  # a wrapper (LARC) holds the optimizer
     candidates = [opt, *(v for v in fields.values() if isinstance(v, torch.optim.Optimizer))]
     if any(getattr(getattr(o, "step", None), "_wrapped_by_lr_sched", False) for o in candidates):
         what = "over fp32 master weights" if options.master_weights else "with low-memory states"
-        raise UsageError(
+        warnings.warn(
             f"a learning-rate scheduler was created on this {type(opt).__name__} before "
             f"initialize, but {options.level.value} steps a new optimizer {what}: the "
-            f"scheduler would set the lr of an optimizer that no longer steps. Create the "
-            f"scheduler after initialize, on the optimizer it returns: model, optimizer = "
-            f"mixprec.initialize(model, optimizer, ...); scheduler = "
-            f"torch.optim.lr_scheduler.X(optimizer, ...)."
+            f"scheduler sets the lr of an optimizer that no longer steps, so the schedule "
+            f"would not apply. Create the scheduler after initialize, on the optimizer it "
+            f"returns (scheduler = torch.optim.lr_scheduler.X(optimizer, ...)), or let it "
+            f"follow that optimizer: mixprec.SkipAwareLR(scheduler, scaler, "
+            f"optimizer=amp_optimizer).",
+            UserWarning,
+            stacklevel=3,
         )
 
 
