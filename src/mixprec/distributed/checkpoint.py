@@ -18,9 +18,10 @@ mixprec adds is a state dict whose keys do not depend on how the model is wrappe
   optimizer (``foreach``, ``fused``, ``capturable``, ``differentiable``) stays its own.
 - ``scaler``: every field of the `GradScaler` (JSON), and ``meta``: the format and opt level.
 
-Loading is all-or-nothing: DCP reads into new tensors (one extra copy of the model and optimizer
-state in memory while it runs), the result is checked (opt level, parameter names, scaler
-fields), and only then copied in. A load that fails changes nothing, an optimizer state created
+Loading is all-or-nothing: the checkpoint's metadata is checked first (format, opt level,
+loss-scale setting, FP8 layout), DCP reads into new tensors (one extra copy of the model and
+optimizer state in memory while it runs), the parameter names are checked, and only then is
+anything copied in. A load that fails changes nothing, an optimizer state created
 only to give DCP something to fill included.
 
 Bit-for-bit continuation: loading restores every value the step reads (weights, masters,
@@ -34,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -155,26 +155,49 @@ def load_checkpoint(
 ) -> None:  # fmt: skip
     """Load what `save_checkpoint` wrote, resharding to this job's layout; all-or-nothing.
 
-    Call it on every rank. Cost: one extra copy of the model and optimizer state (this rank's
-    shards) while DCP reads.
+    Call it on every rank. The checkpoint's metadata (format, opt level, loss-scale setting,
+    FP8 layout) is read and checked first, in one small collective read, then the tensors.
+    A parameter that had no optimizer state when the checkpoint was saved (a step-0
+    checkpoint, a head that never got a gradient) has none after loading, as with torch's
+    ``Optimizer.load_state_dict``. Cost: one extra copy of the model and optimizer state (this
+    rank's shards) while DCP reads.
+
+    The loss-scale setting must be this job's: the same mode (dynamic or static), for a static
+    scale the same value, and for a dynamic one the same rule (growth_factor, backoff_factor,
+    growth_interval, hysteresis, consecutive_hysteresis, min_scale, max_scale). The scale, its
+    trackers and counters are state, and are loaded.
 
     Raises:
         DistributedError: the checkpoint does not fit (another opt level, other parameter
-            names, a scaler setting that differs); nothing was changed.
+            names, a loss-scale setting that differs) or cannot be read; nothing was changed.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     inner, scaler, amp = _parts(optimizer, scaler)
-    created = _materialize(inner)
+    live = state_dict(model, optimizer, scaler)
+    saved, header = _read_header(checkpoint_id, dcp_kwargs)
+    loaded_scaler = _check_header(live, header, scaler)
+    fp8 = _fp8_mismatch(saved, live["model"])
+    if fp8 is not None:
+        raise DistributedError(
+            f"the checkpoint at {checkpoint_id!r} does not fit this model (nothing was "
+            f"changed): {fp8}"
+        )
+    # Optimizer state is asked for only where the checkpoint has some: a parameter that had
+    # none when it was saved (a step-0 checkpoint, a head that never got a gradient) has none
+    # after loading, as with torch's Optimizer.load_state_dict.
+    with_state = _saved_state_names(saved, live)
+    _, name_of = _names(model, amp)
+    created = _materialize(inner, [
+        p for g in inner.param_groups for p in g["params"]
+        if name_of.get(id(p)) in with_state and not inner.state.get(p)
+    ])  # fmt: skip
     try:
         live = state_dict(model, optimizer, scaler)
-        fp8 = _fp8_mismatch(checkpoint_id, live["model"], dcp_kwargs)
-        if fp8 is not None:
-            raise DistributedError(
-                f"the checkpoint at {checkpoint_id!r} does not fit this model (nothing was "
-                f"changed): {fp8}"
-            )
+        live["optimizer"]["state"] = {
+            name: st for name, st in live["optimizer"]["state"].items() if name in with_state
+        }
         target = _map(live, _fresh)
         try:
             with _single_process(dcp_kwargs):
@@ -184,10 +207,10 @@ def load_checkpoint(
                 f"the checkpoint at {checkpoint_id!r} does not fit this model and optimizer "
                 f"(nothing was changed): {_cause(err)}"
             ) from err
-        loaded_scaler = _check(live, target, scaler)
+        _check_groups(live, target)
     except BaseException:
-        if created:
-            inner.state.clear()  # the state was created only to give DCP tensors to fill
+        for p in created:
+            inner.state.pop(p, None)  # created only to give DCP tensors to fill
         raise
     _commit(live, target, inner, scaler, loaded_scaler, amp)
     for module in _unwrap(model).modules():
@@ -196,21 +219,42 @@ def load_checkpoint(
             loaded()
 
 
-def _fp8_mismatch(
-    checkpoint_id: Any, model: dict[str, Any], dcp_kwargs: dict[str, Any]
-) -> str | None:
-    """Why the FP8 layer state saved in a (file system) checkpoint does not fit `model`'s
-    entries, or None. DCP loads only what the model asks for, so FP8 histories and scales saved
-    from an FP8 model would be dropped silently by a model without them; and another recipe's
-    history length only shows as a size mismatch. Reads the checkpoint's metadata file."""
-    if "storage_reader" in dcp_kwargs or not isinstance(checkpoint_id, (str, os.PathLike)):
-        return None
-    try:
-        from torch.distributed.checkpoint import FileSystemReader
+def _read_header(checkpoint_id: Any, dcp_kwargs: dict[str, Any]) -> tuple[dict, dict]:
+    """(DCP's metadata of every saved entry by flattened key, the saved JSON entries).
 
-        saved = FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
-    except Exception:  # not a file system checkpoint: DCP's own checks apply
-        return None
+    One small collective ``dcp.load`` of the JSON entries only, so that the opt level, the
+    scaler setting and the FP8 layout are checked before any tensor is read.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    header: dict[str, Any] = {"meta": None, "scaler": None}
+    kwargs = {k: v for k, v in dcp_kwargs.items() if k != "planner"}  # the user's: for tensors
+    planner = DefaultLoadPlanner(allow_partial_load=True)  # a foreign checkpoint: said below
+    try:
+        with _single_process(kwargs):
+            dcp.load({_KEY: header}, checkpoint_id=checkpoint_id, planner=planner, **kwargs)
+    except (Exception, CheckpointException) as err:
+        raise DistributedError(
+            f"the checkpoint at {checkpoint_id!r} could not be read (nothing was changed): "
+            f"{_cause(err)}. Pass the directory save_checkpoint wrote (or its storage_reader=)."
+        ) from err
+    saved = dict(planner.metadata.state_dict_metadata)
+    if not all(isinstance(v, str) for v in (header["meta"], header["scaler"])):
+        raise DistributedError(
+            f"the checkpoint at {checkpoint_id!r} is not one mixprec.save_checkpoint wrote (it "
+            f"has no {_KEY}.meta entry); nothing was changed. Load it with "
+            f"torch.distributed.checkpoint.load into the state dict it was saved from."
+        )
+    return saved, header
+
+
+def _fp8_mismatch(saved: dict[str, Any], model: dict[str, Any]) -> str | None:
+    """Why the FP8 layer state in a checkpoint (`saved`: its metadata by key) does not fit
+    `model`'s entries, or None. DCP loads only what the model asks for, so FP8 histories and
+    scales saved from an FP8 model would be dropped silently by a model without them; and
+    another recipe's history length only shows as a size mismatch."""
     head = f"{_KEY}.model."
     fp8 = {k[len(head):]: v for k, v in saved.items()
            if k.startswith(head) and k.rsplit(".", 1)[-1].startswith("fp8_")}  # fmt: skip
@@ -267,17 +311,35 @@ def _fresh(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(t)  # a DTensor for a DTensor: DCP reads this rank's shard into it
 
 
-def _materialize(inner: torch.optim.Optimizer) -> bool:
-    """Create the optimizer's state (a step with zero gradients and lr 0) so DCP has targets.
+def _saved_state_names(saved: dict[str, Any], live: dict[str, Any]) -> set[str]:
+    """The names of this optimizer's parameters that have optimizer state in the checkpoint
+    (`saved`: its metadata by flattened key, ``mixprec.optimizer.state.<name>.<state key>``)."""
+    head = f"{_KEY}.optimizer.state."
+    prefixes = set()
+    for key in saved:
+        if key.startswith(head):
+            parts = key[len(head) :].split(".")
+            prefixes.update(".".join(parts[:i]) for i in range(1, len(parts)))
+    names = [n for g in json.loads(live["optimizer"]["param_groups"]) for n in g["params"]]
+    return {n for n in names if n in prefixes}
 
-    Returns whether it did. Gradients and learning rates are put back as they were.
+
+def _materialize(inner: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Create the optimizer state of `params` (a step with zero gradients for them, none for
+    the others, and lr 0) so DCP has targets; the other parameters' state is not touched.
+
+    Returns the parameters whose state it created. Gradients and learning rates are put back
+    as they were.
     """
-    if inner.state:
-        return False
-    params = [p for g in inner.param_groups for p in g["params"] if p.requires_grad]
-    grads = [p.grad for p in params]
+    params = [p for p in params if p.requires_grad]
+    if not params:
+        return []
+    everything = [p for g in inner.param_groups for p in g["params"]]
+    grads = [p.grad for p in everything]
     lrs = [g.get("lr") for g in inner.param_groups]
     try:
+        for p in everything:
+            p.grad = None  # skipped by the step: its state stays as it is
         for p in params:
             p.grad = torch.zeros_like(p)
         for g in inner.param_groups:
@@ -287,16 +349,20 @@ def _materialize(inner: torch.optim.Optimizer) -> bool:
                 g["lr"] = 0.0
         inner.step()
     finally:
-        for p, grad in zip(params, grads, strict=True):
+        for p, grad in zip(everything, grads, strict=True):
             p.grad = grad
         for g, lr in zip(inner.param_groups, lrs, strict=True):
             if lr is not None:
                 g["lr"] = lr
-    return bool(inner.state)
+    return [p for p in params if inner.state.get(p)]
 
 
-def _check(live: dict[str, Any], loaded: dict[str, Any], scaler: GradScaler | None) -> dict:
-    meta, mine = json.loads(loaded["meta"]), json.loads(live["meta"])
+def _check_header(
+    live: dict[str, Any], header: dict[str, Any], scaler: GradScaler | None
+) -> dict[str, Any]:
+    """Check the checkpoint's format, opt level and scaler setting against this job's (before
+    any tensor is read); return the scaler fields to load."""
+    meta, mine = json.loads(header["meta"]), json.loads(live["meta"])
     if meta.get("format") != FORMAT:
         raise DistributedError(
             f"not a mixprec checkpoint (format {meta.get('format')!r}, expected {FORMAT!r}); "
@@ -308,6 +374,61 @@ def _check(live: dict[str, Any], loaded: dict[str, Any], scaler: GradScaler | No
             f"{mine.get('opt_level')!r}: initialize (or mixprec.fully_shard) with the same level. "
             f"Nothing was changed."
         )
+    fields = json.loads(header["scaler"])
+    if bool(fields) != (scaler is not None and scaler.is_enabled()):
+        raise DistributedError(
+            "the checkpoint's loss-scaling setting differs from this job's (one has an enabled "
+            "scaler, the other not); use the same opt level and loss_scale. Nothing was changed."
+        )
+    if fields:
+        assert scaler is not None
+        GradScaler(scaler._device, enabled=True).load_state_dict(fields)  # validates only
+        differs = _scaler_mismatch(fields, json.loads(live["scaler"]))
+        if differs is not None:
+            raise DistributedError(f"{differs} Nothing was changed.")
+    return fields
+
+
+# The rule a dynamic scale moves by: the job's configuration, which a checkpoint must match
+# (loading another would silently change the job's; not loading it would break the resumed
+# run's bit-for-bit continuation). The scale itself and its trackers are state, loaded.
+_SCALE_RULE = ("growth_factor", "backoff_factor", "growth_interval", "hysteresis",
+               "consecutive_hysteresis", "min_scale", "max_scale")  # fmt: skip
+
+
+def _scaler_mismatch(theirs: dict[str, Any], ours: dict[str, Any]) -> str | None:
+    """How the checkpoint's loss-scale setting differs from this job's, with the fix; or None."""
+
+    def setting(fields: dict[str, Any]) -> str:
+        if fields.get("dynamic", True):
+            return "dynamic (loss_scale='dynamic')"
+        return f"static (loss_scale={float(fields['scale'])!r})"
+
+    dynamic = theirs.get("dynamic", True), ours.get("dynamic", True)
+    if dynamic[0] != dynamic[1] or (
+        not dynamic[0] and float(theirs["scale"]) != float(ours["scale"])
+    ):
+        return (
+            f"the checkpoint's loss scale is {setting(theirs)} and this job's is "
+            f"{setting(ours)}: initialize this job with the checkpoint's setting (or pass a "
+            f"mixprec.GradScaler with it as scaler=), or load a checkpoint saved with this "
+            f"job's."
+        )
+    if not dynamic[0]:
+        return None  # a static scale never moves: its growth rule is never used
+    rule = [k for k in _SCALE_RULE if k in theirs and theirs[k] != ours.get(k)]
+    if not rule:
+        return None
+    listed = ", ".join(f"{k}={theirs[k]!r} (this job: {ours.get(k)!r})" for k in rule)
+    return (
+        f"the checkpoint's dynamic loss scale moves by another rule than this job's: {listed}. "
+        f"Create this job's scaler with the checkpoint's settings (initialize's "
+        f"min_loss_scale/max_loss_scale, or a mixprec.GradScaler passed as scaler=), and change "
+        f"them after loading if you mean to (scaler.set_growth_interval(), ...)."
+    )
+
+
+def _check_groups(live: dict[str, Any], loaded: dict[str, Any]) -> None:
     theirs, ours = (
         json.loads(loaded["optimizer"]["param_groups"]),
         json.loads(live["optimizer"]["param_groups"]),
@@ -318,16 +439,6 @@ def _check(live: dict[str, Any], loaded: dict[str, Any], scaler: GradScaler | No
             "optimizer's (build the optimizer over the same parameters, in the same groups); "
             "nothing was changed."
         )
-    fields = json.loads(loaded["scaler"])
-    if bool(fields) != (scaler is not None and scaler.is_enabled()):
-        raise DistributedError(
-            "the checkpoint's loss-scaling setting differs from this job's (one has an enabled "
-            "scaler, the other not); use the same opt level and loss_scale. Nothing was changed."
-        )
-    if fields:
-        assert scaler is not None
-        GradScaler(scaler._device, enabled=True).load_state_dict(fields)  # validates only
-    return fields
 
 
 def _commit(live, loaded, inner, scaler, scaler_fields, amp) -> None:
