@@ -78,3 +78,48 @@ def test_lstm_on_the_onednn_path_is_still_lowered():
     lstm = nn.LSTM(4, 6)
     with _mixprec_region():
         assert lstm(torch.randn(3, 2, 4))[0].dtype == BF16
+
+
+# ------------------------------------------------------------------- promote: the other 16-bit
+
+
+def _promote_calls(t):
+    index = torch.tensor([1, 0])
+    return {
+        "cat": lambda: torch.cat([t, t]),
+        "stack": lambda: torch.stack([t, t]),
+        "index_copy": lambda: t.index_copy(0, index, t),
+    }
+
+
+@pytest.mark.parametrize("op", ["cat", "stack", "index_copy"])
+@pytest.mark.parametrize(("region_dtype", "input_dtype"), [(BF16, FP16), (FP16, BF16)])
+def test_promote_leaves_inputs_all_in_the_other_16bit_dtype(op, region_dtype, input_dtype):
+    """torch raises on these ("Unexpected floating ScalarType"); mixprec must not cast them to
+    the region's dtype, which loses bits (fp16 1.0009765625 is 1.0 in bf16, bf16 1e30 is inf in
+    fp16). The result equals the call outside any region."""
+    value = 1.0009765625 if input_dtype is FP16 else 1e30
+    t = torch.tensor([value, 2.0], dtype=input_dtype)
+    call = _promote_calls(t)[op]
+    with (
+        pytest.raises(RuntimeError, match="Unexpected floating ScalarType"),
+        torch.autocast("cpu", dtype=region_dtype),
+    ):
+        call()
+    with mixprec.autocast("cpu", dtype=region_dtype):
+        got = call()
+    assert got.dtype == input_dtype
+    assert torch.equal(got, call())
+
+
+def test_promote_still_lowers_and_widens_as_torch_does():
+    h, f = torch.randn(2, dtype=BF16), torch.randn(2)
+    mixed = torch.randn(2, dtype=FP16)
+    for args in ([h, h], [h, f]):
+        with _torch_region():
+            ref = torch.cat(args)
+        with _mixprec_region():
+            got = torch.cat(args)
+        assert got.dtype == ref.dtype and torch.equal(got, ref)
+    with _mixprec_region():  # torch raises; mixprec's documented fp32
+        assert torch.cat([h, mixed]).dtype == FP32

@@ -7,7 +7,9 @@ Numerics match torch.autocast's C++ wrappers (``aten/src/ATen/autocast_mode.h``)
 - FP32_OUTPUT passes ``dtype=torch.float32`` when the first argument is eligible and no dtype was
   given, which upcasts inside the kernel instead of materialising an fp32 copy;
 - PROMOTE runs in fp32 if any eligible input is fp32, else in the low dtype; torch raises when a
-  region mixes fp16 and bf16 inputs, mixprec promotes such calls to fp32 instead;
+  region's inputs are in the *other* 16-bit dtype (fp16 in a bf16 region, alone or mixed),
+  mixprec promotes fp16 mixed with bf16 to fp32 and leaves inputs all in the other 16-bit dtype
+  as they are (a cast between fp16 and bf16 loses bits either way);
 - calls with ``out=`` are never cast (as in torch).
 """
 
@@ -42,6 +44,7 @@ _FP32 = torch.float32
 _grad_enabled = torch.is_grad_enabled
 _cache_enabled = torch.is_autocast_cache_enabled
 _set_enabled = torch.set_autocast_enabled
+_enabled = torch.is_autocast_enabled
 _FLOATS = frozenset(
     d for d in vars(torch).values()
     if isinstance(d, torch.dtype) and d.is_floating_point and d is not torch.float64
@@ -271,7 +274,8 @@ class Fp32OutputRule(Rule):
 
 
 class PromoteRule(Rule):
-    """PROMOTE: fp32 if any eligible input is fp32 (or fp16 meets bf16), else the low dtype."""
+    """PROMOTE: fp32 if any eligible input is fp32 (or fp16 meets bf16), else the low dtype;
+    inputs all in the other 16-bit dtype are left as they are."""
 
     __slots__ = ()
     category = OpCategory.PROMOTE
@@ -290,6 +294,11 @@ class PromoteRule(Rule):
                 break
         if widest is None:
             return func(*args, **kwargs) if kwargs else func(*args)
+        if widest is not _FP32 and widest is not self.low and widest.itemsize == self.low.itemsize:
+            # All in the other 16-bit dtype (fp16 in a bf16 region): either cast loses bits
+            # (fp16 -> bf16 drops mantissa, bf16 -> fp16 range), so the call keeps its dtype.
+            # torch's dispatcher would raise on it ("Unexpected floating ScalarType"): off.
+            return _without_torch_autocast(self.device_type, func, args, kwargs)
         target = _FP32 if widest is _FP32 else self.low
         src = self.src_fp32 if target is _FP32 else self.src_low
         return self._cast_to(mode, func, args, kwargs, target, src)
@@ -328,6 +337,20 @@ def make_rule(
 ) -> Rule:
     """The rule applying `category` on `device_type` (PASSTHROUGH has no rule)."""
     return _RULE_CLASSES[category](device_type, low, keep, restore)
+
+
+def _without_torch_autocast(dev: str, func: Callable[..., Any], args: tuple, kwargs: dict | None):
+    """Call `func` with torch's dispatcher-level autocast off for `dev` (see `Guarded`)."""
+    if dynamo_tracing() and not autocast_state_traceable():
+        # torch 2.11's dynamo traces torch.autocast but not the setter below.
+        with torch.autocast(dev, enabled=False):
+            return func(*args, **kwargs) if kwargs else func(*args)
+    was = _enabled(dev)  # False under a Guarded rule, which restores True itself
+    _set_enabled(dev, False)
+    try:
+        return func(*args, **kwargs) if kwargs else func(*args)
+    finally:
+        _set_enabled(dev, was)
 
 
 class Guarded:
