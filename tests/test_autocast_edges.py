@@ -123,3 +123,33 @@ def test_promote_still_lowers_and_widens_as_torch_does():
         assert got.dtype == ref.dtype and torch.equal(got, ref)
     with _mixprec_region():  # torch raises; mixprec's documented fp32
         assert torch.cat([h, mixed]).dtype == FP32
+
+
+# ------------------------------------------------------------- regions under unittest.mock
+
+
+def test_first_region_under_a_mocked_torch_function_works():
+    """A mock of a torch function made torch.overrides.get_overridable_functions() raise
+    (AttributeError: __name__) while mixprec built its first table. It runs in a fresh
+    interpreter: torch caches its scan once it has succeeded."""
+    import subprocess
+    import sys
+
+    code = """
+from unittest import mock
+import torch, torch.nn.functional as F, mixprec
+a = torch.randn(2, 2)
+with mock.patch("torch.nn.functional.scaled_dot_product_attention") as sdpa:
+    with mixprec.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.mm(a, a).dtype == torch.bfloat16
+        F.scaled_dot_product_attention(1, 2, 3)
+    assert sdpa.call_count == 1
+q = torch.randn(1, 2, 4, 8)
+dtypes = []
+for region in (torch.autocast, mixprec.autocast):
+    with region("cpu", dtype=torch.bfloat16):
+        dtypes.append(F.scaled_dot_product_attention(q, q, q).dtype)
+assert dtypes == [torch.bfloat16, torch.bfloat16], dtypes
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]

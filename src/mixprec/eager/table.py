@@ -202,6 +202,8 @@ class DispatchTable:
         by_dev: dict[str, Any] = {}
         name = op_name(func)
         declared = getattr(func, CATEGORY_ATTR, None)
+        if not isinstance(declared, OpCategory):
+            declared = None  # a stand-in (a mock answers every attribute) declares nothing
         for rp in self.resolved:
             cat = None
             with contextlib.suppress(TypeError):
@@ -282,11 +284,66 @@ def _torch_touches(device_type: str, dtype: torch.dtype) -> frozenset[str]:
 
 
 @functools.cache
-def _overridable() -> tuple[Any, ...]:
-    """The functions torch hands to a torch function mode (about 1,400 in torch 2.13)."""
+def _overridable_by_torch() -> tuple[Any, ...]:
     return tuple(
         fn for funcs in torch.overrides.get_overridable_functions().values() for fn in funcs
     )
+
+
+def _overridable() -> tuple[Any, ...]:
+    """The functions torch hands to a torch function mode (about 1,400 in torch 2.13).
+
+    Cost: torch's scan, once per process (cached); while it fails, our own scan per table.
+    """
+    try:
+        return _overridable_by_torch()
+    except Exception:
+        # torch's scan fails as a whole on a stand-in for a torch function (under
+        # unittest.mock.patch("torch.nn.functional.scaled_dot_product_attention") its own
+        # consistency check raises AttributeError: __name__), which must not break the user's
+        # region. Not cached: once the patch is undone, torch's scan works again.
+        return _scan_overridable()
+
+
+# What torch.overrides scans for functions a mode can receive (its _get_overridable_functions).
+_SCANNED = ("torch", "torch.functional", "torch.nn.functional", "torch.nn.init", "torch.linalg",
+            "torch.fft", "torch.special")  # fmt: skip
+
+
+def _scan_overridable() -> tuple[Any, ...]:
+    """torch's scan (`torch.overrides.get_overridable_functions`), skipping what it cannot
+    classify: callables without a name (mocks and other stand-ins) and unhashable objects."""
+    import importlib
+
+    ignored = torch.overrides.get_ignored_functions()
+    spaces: list[tuple[Any, list[str]]] = []
+    for name in _SCANNED:
+        module = importlib.import_module(name)
+        public = getattr(module, "__all__", None) if name in ("torch", "torch.functional") else None
+        names = list(public) if public is not None else dir(module)
+        spaces.append((module, [n for n in names if n[:1].islower() and not n.endswith("_")]))
+    spaces.append((torch.Tensor, dir(torch.Tensor)))
+    found: dict[int, Any] = {}
+    for ns, names in spaces:
+        for name in names:
+            if name == "unique_dim" and ns is not torch.Tensor:
+                continue  # deleted from torch in torch/__init__.py
+            try:
+                obj = getattr(ns, name)
+                if ns is torch.Tensor and getattr(object, name, None) is obj:
+                    continue
+                if isinstance(obj, type(torch)):
+                    continue
+                if not callable(obj):
+                    getter = getattr(obj, "__get__", None)  # properties: their getter
+                    if getter is not None and getter not in ignored:
+                        found[id(getter)] = getter
+                    continue
+                if isinstance(getattr(obj, "__name__", None), str) and obj not in ignored:
+                    found[id(obj)] = obj
+            except (AttributeError, TypeError):  # a lazy attribute, an unhashable object
+                continue
+    return tuple(found.values())
 
 
 def _guardable(fn: Any) -> bool:
