@@ -449,6 +449,78 @@ def test_a_checkpoint_that_does_not_fit_changes_nothing(tmp_path):
     assert not other_opt.optimizer.state
 
 
+def lowmem_on_shards(rank: int, world: int, path: str, entry: str) -> dict[str, str]:
+    """A user-built low-memory optimizer over FSDP2's DTensor parameters, given to `entry`:
+    the refusal's message per sharding and states mode (and, for checkpoints, whether DCP
+    wrote anything). Runs on the ranks (this module is importable by the pool's processes)."""
+    import os
+
+    import torch.nn.functional as F
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    for shard, level in (("torch", "O1"), ("mixprec", "O2")):
+        for states in ("fp32", "8bit"):
+            model = S.net()
+            if shard == "torch":
+                fully_shard(model)
+            else:
+                mixprec.fully_shard(model, opt_level=level)
+            opt = mixprec.LowMemAdamW(model.parameters(), states=states, min_quantized=0)
+            key = f"{shard}-{states}"
+            try:
+                if entry == "initialize":
+                    mixprec.initialize(model, opt, level)
+                elif entry == "TrainStep":
+                    mixprec.TrainStep(model, opt, F.cross_entropy, opt_level=level)
+                else:
+                    mixprec.save_checkpoint(os.path.join(path, key), model, opt)
+                    out[f"{key} written"] = str(os.path.exists(os.path.join(path, key)))
+            except mixprec.DistributedError as err:
+                out[key] = str(err)
+                if entry == "checkpoint":
+                    out[f"{key} written"] = str(os.path.exists(os.path.join(path, key)))
+    return out
+
+
+def _lowmem_refusal(entry: str) -> str:
+    return (
+        f"{entry}: LowMemAdamW (a mixprec low-memory optimizer) over parameters sharded by "
+        f"FSDP2 (torch's fully_shard or mixprec.fully_shard) is not supported yet: it keeps each "
+        f"rank's shard of its states as plain tensors, so a checkpoint "
+        f"(torch.distributed.checkpoint) would keep one rank's state for every rank, and DCP "
+        f"cannot reshard blockwise 8-bit states. Use low-memory optimizers with one process or "
+        f"DDP, or on a sharded model step a torch optimizer (e.g. torch.optim.AdamW) with "
+        f"mixprec.fully_shard at O2 (its fp32 shards are the masters)."
+    )
+
+
+_SHARDINGS = ("torch-fp32", "torch-8bit", "mixprec-fp32", "mixprec-8bit")
+
+
+@pytest.mark.parametrize(
+    ("entry", "prefix"),
+    [
+        ("TrainStep", "mixprec.TrainStep"),
+        ("checkpoint", "mixprec checkpoints (save_checkpoint, load_checkpoint)"),
+        pytest.param(
+            "initialize",
+            "mixprec.initialize",
+            marks=pytest.mark.xfail(
+                strict=True, reason="the refusal's call in initialize is added separately"
+            ),
+        ),
+    ],
+)
+def test_a_lowmem_optimizer_on_fsdp2_shards_is_refused(pools, tmp_path, entry, prefix):
+    r0, r1 = pools(2).run(lowmem_on_shards, str(tmp_path), entry)
+    assert r0 == r1
+    for key in _SHARDINGS:
+        assert r0[key] == _lowmem_refusal(prefix)
+        if entry == "checkpoint":
+            assert r0[f"{key} written"] == "False"  # nothing was saved
+
+
 def test_shard_and_initialize_resolve_for_the_device_the_shards_live_on(monkeypatch):
     """FSDP2 without a mesh shards onto the process's accelerator, moving a model built on the
     CPU: the level is resolved for that device, not the one the model was built on; and

@@ -44,6 +44,7 @@ from torch import nn
 
 from mixprec.distributed.fp8 import plain_dtensor
 from mixprec.distributed.topology import DistributedError, is_initialized, unwrap_ddp
+from mixprec.distributed.wrapping import refuse_lowmem_on_shards
 from mixprec.scaling.scaler import GradScaler
 
 __all__ = ["FORMAT", "load_checkpoint", "save_checkpoint", "state_dict"]
@@ -99,6 +100,8 @@ def state_dict(
     synchronises with the device.
     """
     inner, scaler, amp = _parts(optimizer, scaler)
+    # The last line of defence: initialize and TrainStep refuse this combination already.
+    refuse_lowmem_on_shards(inner, "mixprec checkpoints (save_checkpoint, load_checkpoint)")
     entries, name_of = _names(model, amp)
     stepped = [p for g in inner.param_groups for p in g["params"]]
     missing = [i for i, p in enumerate(stepped) if id(p) not in name_of]

@@ -18,6 +18,7 @@ Every refusal names the order that works.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,6 +39,7 @@ __all__ = [
     "casts_weights",
     "find_hooks",
     "model_kind",
+    "refuse_lowmem_on_shards",
     "register_replicated",
 ]
 
@@ -169,3 +171,36 @@ def register_replicated(models: Sequence[nn.Module], optimizers: Sequence[Any]) 
         stepped = [p for g in opt.optimizer.param_groups for p in g["params"]]
         if stepped and all(id(p) in covered for p in stepped):
             agreement.mark_replicated(opt.optimizer, stepped)
+
+
+def refuse_lowmem_on_shards(optimizer: Any, entry: str) -> None:
+    """Refuse a low-memory optimizer (`mixprec.LowMemAdamW`, ...) over sharded parameters.
+
+    FSDP2's parameters (torch's ``fully_shard`` or `mixprec.fully_shard`) are DTensors; a
+    low-memory optimizer keeps each rank's shard of its state as plain tensors, which
+    ``torch.distributed.checkpoint`` takes for one replicated tensor: a checkpoint would keep
+    one rank's state for all and cannot reshard blockwise 8-bit codes. `optimizer`: a torch
+    optimizer or an `AmpOptimizer`; `entry`: the call that refuses it, for the message.
+    Cheap: a look at the param groups (DTensor is only looked for when it is imported).
+
+    Raises:
+        DistributedError: the optimizer is a low-memory one and steps a DTensor.
+    """
+    from mixprec.levels.optimizer import AmpOptimizer
+    from mixprec.optim.lowmem import LowMemOptimizer
+
+    inner = optimizer.optimizer if isinstance(optimizer, AmpOptimizer) else optimizer
+    tensor = sys.modules.get("torch.distributed.tensor")
+    if tensor is None or not isinstance(inner, LowMemOptimizer):
+        return
+    if not any(isinstance(p, tensor.DTensor) for g in inner.param_groups for p in g["params"]):
+        return
+    raise DistributedError(
+        f"{entry}: {type(inner).__name__} (a mixprec low-memory optimizer) over parameters "
+        f"sharded by FSDP2 (torch's fully_shard or mixprec.fully_shard) is not supported yet: "
+        f"it keeps each rank's shard of its states as plain tensors, so a checkpoint "
+        f"(torch.distributed.checkpoint) would keep one rank's state for every rank, and DCP "
+        f"cannot reshard blockwise 8-bit states. Use low-memory optimizers with one process or "
+        f"DDP, or on a sharded model step a torch optimizer (e.g. torch.optim.AdamW) with "
+        f"mixprec.fully_shard at O2 (its fp32 shards are the masters)."
+    )

@@ -225,6 +225,7 @@ class TrainStep:
                 f"move the model to a CUDA device."
             )
         ddp_kwargs = ddp_rules.requested_kwargs(ddp, model)
+        wrapping.refuse_lowmem_on_shards(optimizer, "mixprec.TrainStep")  # before initialize
         if isinstance(optimizer, AmpOptimizer):
             if wrapping.find_hooks(model) is None:
                 raise TrainStepError(
