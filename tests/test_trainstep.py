@@ -311,6 +311,24 @@ def test_errors_say_what_to_do():
         step(torch.randn(2, 8))
 
 
+def test_a_scaler_with_several_losses_is_refused_before_initialize():
+    # One loss per TrainStep: refused at construction in every capture mode, with the fix,
+    # and before initialize touched the model (a corrected call can follow).
+    for capture in ("auto", "compile", "eager"):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with pytest.raises(mixprec.TrainStepError, match="a scaler with num_losses=2, and a "
+                           "TrainStep trains one loss.*Sum the losses into one"):  # fmt: skip
+            mixprec.TrainStep(model, opt, F.cross_entropy, dtype="fp16", capture=capture,
+                              scaler=mixprec.GradScaler("cpu", num_losses=2))  # fmt: skip
+        assert amp_hooks(model) is None
+    with pytest.raises(mixprec.TrainStepError, match="got num_losses=3"):
+        uncompiled_step(model, opt, F.cross_entropy, dtype="fp16", num_losses=3)
+    model, opt = mixprec.initialize(model, opt, "O1", dtype="fp16", num_losses=2)
+    with pytest.raises(mixprec.TrainStepError, match="an optimizer initialized with num_losses=2"):
+        uncompiled_step(model, opt, F.cross_entropy)
+
+
 def test_misuse_found_by_a_new_user_is_named_with_its_fix():
     x, y = _batches(1, overflows=())[0]
     model = _model()

@@ -317,6 +317,28 @@ def test_step_update_blockers_name_the_cause():
     assert "num_losses=2" in StepUpdate.blocker(opt)
 
 
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_a_blocker_that_needs_no_state_is_named_from_the_first_step(momentum):
+    # SGD without momentum never reports its state complete beside a sync scaler: the reason
+    # must name the scaler, not promise a compiled update "from the next step" forever.
+    batches = _batches(4, overflows=())
+    for capture in ("auto", "compile"):
+        model = _model()
+        step = mixprec.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1,
+                                 momentum=momentum), F.cross_entropy, dtype="fp16",
+                                 scaler=mixprec.GradScaler("cpu", skip_mode="sync"),
+                                 compile=FAST, capture=capture)  # fmt: skip
+        if capture == "compile":
+            with pytest.raises(mixprec.TrainStepError, match="skip_mode='sync'"):
+                step(*batches[0])
+            continue
+        for batch in batches:
+            step(*batch)
+            assert not step.compiled
+            assert "skip_mode='sync'" in step.reason, step.reason
+            assert "from the next step" not in step.reason
+
+
 # ------------------------------------------------------------------ kernel choice
 
 

@@ -261,7 +261,8 @@ class StepUpdate:
     def blocker(optimizer: AmpOptimizer) -> str | None:
         """Why the update of `optimizer` cannot be compiled, or None.
 
-        Checked once the optimizer has state (after the first eager step).
+        Asked at each step until the optimizer has state, that step included: the checks on
+        the state find nothing before it exists, the others answer from the first step.
         """
         inner = optimizer.optimizer
         name = type(inner).__name__

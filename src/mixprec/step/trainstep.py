@@ -212,6 +212,8 @@ class TrainStep:
                 f"arguments."
             )
 
+        _refuse_several_losses(scaler, optimizer, overrides)
+
         device = _model_device(model)
         whole = compile is not False and (
             capture == "compile"
@@ -448,7 +450,7 @@ class TrainStep:
             # state: the same operations as below either way.
             scaler = opt.scaler
             (scaler.scale(loss) if scaler is not None else loss).backward()
-            self.compiled = update.ready() and self._update_allowed()
+            self.compiled = self._update_allowed(update.ready())
             if self.compiled:
                 update()
             else:
@@ -473,19 +475,27 @@ class TrainStep:
             return None
         return update
 
-    def _update_allowed(self) -> bool:
-        """`StepUpdate.blocker`, asked once, when the optimizer's state first exists (what it
-        checks, such as state kept as Python numbers, only shows then); then, every step,
-        whether a hyperparameter the graph bakes in keeps changing."""
+    def _update_allowed(self, ready: bool) -> bool:
+        """Whether the compiled update runs this step, `ready` saying whether the optimizer's
+        state exists for every parameter with a gradient.
+
+        `StepUpdate.blocker` is asked at each step until the state exists, that one included: what
+        it checks on the state (state kept as Python numbers) only shows once the state exists,
+        but the rest (a ``skip_mode='sync'`` scaler, a closure) shows from the first step and
+        must be named then, since some optimizers never report their state complete under
+        such a blocker (SGD without momentum beside a sync scaler), and the reason would
+        otherwise promise a compiled update forever. Cost: a pass over the parameters per step
+        until the state exists. Then, every step, whether a hyperparameter the graph bakes in
+        keeps changing."""
         if self._compile_checked:
-            if self._compile_blocked is not None:
+            if self._compile_blocked is not None or not ready:
                 return False
             why = self._hyperparameter_churn()
         else:
-            self._compile_checked = True
+            self._compile_checked = ready
             why = StepUpdate.blocker(self.optimizer)
         if why is None:
-            return True
+            return ready
         self._compile_blocked = (
             f"compiled forward and backward, eager update: {why}, so the update after backward "
             f"cannot be compiled (its operations run one at a time)"
@@ -848,6 +858,33 @@ class TrainStep:
         for note in graphs.prepare(self.optimizer.optimizer, self._device):
             if note not in self.notes:
                 self.notes.append(note)
+
+
+def _refuse_several_losses(scaler: Any, optimizer: Any, overrides: dict[str, Any]) -> None:
+    """Raise where the step would run under a scaler with several loss scales.
+
+    Checked before ``initialize`` touches the model, so that a corrected call can follow.
+    """
+    # The scaler that will run: the one given replaces the optimizer's.
+    if scaler is not None:
+        n = scaler._num_losses
+        where = f"a scaler with num_losses={n}"
+    elif isinstance(optimizer, AmpOptimizer):
+        own = optimizer.scaler
+        n = own._num_losses if own is not None else 1
+        where = f"an optimizer initialized with num_losses={n}"
+    else:
+        n = overrides.get("num_losses", 1)
+        where = f"num_losses={n!r}"
+    if isinstance(n, int) and n > 1:
+        raise TrainStepError(
+            f"TrainStep got {where}, and a TrainStep trains one loss: "
+            f"each of several losses needs its own scaled backward and unscale "
+            f"(scaler.scaled(loss, optimizer, loss_id=i)), which a step that computes one "
+            f"loss has no place for. Sum the losses into one (compute_loss=lambda model, x, "
+            f"y: loss_a + loss_b) with a one-loss scaler, or write the loop with "
+            f"mixprec.initialize(..., num_losses={n}) and one scaler.scaled block per loss."
+        )
 
 
 def _loss_problem(loss: Any) -> str:
