@@ -306,11 +306,14 @@ def test_watch_errors():
     model = _Net(nn.Identity())
     with pytest.raises(TypeError, match="nn.Module"):
         mixprec.watch_nonfinite("model")
-    with pytest.raises(MixprecError, match="history"):
+    # Each is a MixprecError and the built-in exception a caller would catch (docs/api.md).
+    with pytest.raises(ValueError, match="history") as err:
         mixprec.watch_nonfinite(model, history=0)
-    with pytest.raises(MixprecError, match="attach"):
+    assert isinstance(err.value, MixprecError)
+    with pytest.raises(TypeError, match="attach") as err:
         mixprec.watch_nonfinite(model, attach=object())
-    with mixprec.watch_nonfinite(model), pytest.raises(MixprecError, match="already watched"):
+    assert isinstance(err.value, MixprecError)
+    with mixprec.watch_nonfinite(model), pytest.raises(RuntimeError, match="already watched"):
         mixprec.watch_nonfinite(model).__enter__()
 
 
@@ -353,11 +356,12 @@ def test_grad_underflow_scale_and_ceiling():
     at_small = mixprec.grad_underflow(model, scale=2.0**-10, dtype=torch.float16)
     w = at_small.rows[0]
     assert w["flushed"] == 0.5  # 2^-30 flushes; 39 stays
-    with pytest.raises(MixprecError, match="scale"):
+    with pytest.raises(ValueError, match="scale") as err:
         mixprec.grad_underflow(model, scale=0)
-    with pytest.raises(MixprecError, match="float16"):
+    assert isinstance(err.value, MixprecError)
+    with pytest.raises(ValueError, match="float16"):
         mixprec.grad_underflow(model, dtype=torch.float32)
-    with pytest.raises(MixprecError, match="after backward"):
+    with pytest.raises(RuntimeError, match="after backward"):
         mixprec.grad_underflow(nn.Linear(2, 2))
 
 
@@ -396,8 +400,22 @@ def test_scale_history_matches_torch_scaler_trajectory(tmp_path):
 
 def test_scale_history_errors_and_empty():
     assert mixprec.scale_history(mixprec.GradScaler("cpu")).rows == []
-    with pytest.raises(MixprecError, match="GradScaler"):
+    with pytest.raises(TypeError, match="GradScaler") as err:
         mixprec.scale_history(object())
+    assert isinstance(err.value, MixprecError)
+
+
+def test_diagnostic_argument_errors_are_also_builtin_errors():
+    # docs/api.md: every user error is a MixprecError and the built-in a caller would catch.
+    with pytest.raises(ValueError, match=r"every=0 must be an int in 1\.\.") as err:
+        mixprec.AmpMetrics(mixprec.GradScaler("cpu"), every=0)
+    assert isinstance(err.value, MixprecError)
+    with pytest.raises(TypeError, match="torch.amp.GradScaler keeps no history"):
+        mixprec.AmpMetrics(torch.amp.GradScaler("cpu"))
+    model = nn.Linear(2, 2)
+    with pytest.raises(RuntimeError, match="requires grad") as err, torch.no_grad():
+        mixprec.explain(model, torch.randn(1, 2), backward=True)
+    assert isinstance(err.value, MixprecError)
 
 
 # ------------------------------------------------------------------ scaler hooks used above

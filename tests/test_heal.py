@@ -458,6 +458,17 @@ def test_tune_policy_meets_an_error_budget_by_moving_the_first_module_past_it():
         mixprec.tune_policy(m, data(1), F.mse_loss)
 
 
+def test_tune_policy_argument_errors_are_also_builtin_errors():
+    # docs/api.md: every user error is a MixprecError and the built-in a caller would catch.
+    with pytest.raises(ValueError, match="at least one batch") as err:
+        mixprec.tune_policy(healthy(), [], F.mse_loss)
+    assert isinstance(err.value, mixprec.MixprecError)
+    with pytest.raises(ValueError, match=r"act_tol=0 must be a number in \(0, inf\]"):
+        mixprec.tune_policy(healthy(), data(1), F.mse_loss, act_tol=0)
+    with pytest.raises(RuntimeError, match="exactly one of loss_fn"):
+        mixprec.tune_policy(healthy(), data(1))
+
+
 def test_underflow_advice_raises_the_scale_or_keeps_the_module_in_fp32():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
     (model(torch.randn(8, 4)).sum() * 1e-9).backward()

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 
 __all__ = [
     "ArgumentTypeError",
+    "ArgumentValueError",
     "AutocastError",
     "BannedOpError",
     "DeviceTypeError",
@@ -29,6 +30,14 @@ class MixprecError(Exception):
 
 class PolicyError(MixprecError, ValueError):
     """A policy, an op name, a category, a dtype or a device type is not valid."""
+
+
+class ArgumentValueError(MixprecError, ValueError):
+    """An argument of the right type with a value that is not accepted (a count below 1, a
+    number out of range, an unknown option of a diagnostic or tuning call).
+
+    A ValueError, what Python raises for these, so ``except ValueError`` keeps working.
+    """
 
 
 class ArgumentTypeError(PolicyError, TypeError):

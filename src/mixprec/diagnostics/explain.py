@@ -34,7 +34,7 @@ from mixprec.eager.rules import (
     ReentryRule,
     Rule,
 )
-from mixprec.errors import MixprecError
+from mixprec.errors import MixprecError, UsageError
 from mixprec.fp8.convert import fp8_layers
 from mixprec.fp8.recipe import format_name
 from mixprec.fp8.report import fp8_report
@@ -421,7 +421,7 @@ def explain(
                  "backward": backward or None}  # fmt: skip
         ignored = ", ".join(f"{k}=" for k, v in given.items() if v is not None)
         if ignored:
-            raise MixprecError(
+            raise UsageError(
                 f"explain of a model compiled with mixprec.compile reports what its graphs ran "
                 f"with the settings it was compiled with, so {ignored} cannot apply."
                 f" Explain the uncompiled model with them, or compile it again with them "
@@ -432,7 +432,7 @@ def explain(
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"explain needs a torch.nn.Module, got {type(model).__name__}.")
     if find_mode() is not None:
-        raise MixprecError(
+        raise UsageError(
             "mixprec.explain was called inside a mixprec.autocast region; call it outside any "
             "region (it opens its own, with the device_type, dtype and policy you pass)."
         )
@@ -473,7 +473,7 @@ def explain(
                 flops.phase = "backward"
                 leaves = [t for t in _tensors(out) if t.requires_grad and t.is_floating_point()]
                 if not leaves:
-                    raise MixprecError(
+                    raise UsageError(
                         "explain(backward=True) needs an output that requires grad; the model's "
                         "outputs do not (is it in torch.no_grad, or are its parameters frozen?)."
                     )

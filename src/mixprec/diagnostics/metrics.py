@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from mixprec.errors import MixprecError, format_options
+from mixprec.errors import ArgumentTypeError, ArgumentValueError, format_options
 
 __all__ = ["NAMES", "AmpMetrics", "MetricNames", "MetricsBatch"]
 
@@ -139,19 +139,19 @@ class AmpMetrics:
     ) -> None:
         if not (isinstance(every, int) and not isinstance(every, bool) and
                 1 <= every <= _MAX_EVERY):  # fmt: skip
-            raise MixprecError(
+            raise ArgumentValueError(
                 f"AmpMetrics every={every!r} must be an int in 1..{_MAX_EVERY}: the scaler keeps "
                 f"the last {_MAX_EVERY} scales, so a longer batch would lose steps."
             )
         if isinstance(names, str):
             if names not in NAMES:
-                raise MixprecError(
+                raise ArgumentValueError(
                     f"AmpMetrics names={names!r} is not a naming convention. Valid: "
                     f"{format_options(NAMES)}, or a mixprec.diagnostics.metrics.MetricNames."
                 )
             names = NAMES[names]
         elif not isinstance(names, MetricNames):
-            raise MixprecError(
+            raise ArgumentTypeError(
                 f"AmpMetrics names must be {format_options(NAMES)} or a MetricNames, got "
                 f"{type(names).__name__}."
             )
@@ -315,7 +315,7 @@ def _scaler_of(obj: Any) -> Any:
         if not hasattr(obj, "scaler"):
             break
         obj = obj.scaler
-    raise MixprecError(
+    raise ArgumentTypeError(
         f"AmpMetrics needs a mixprec.GradScaler (or an object that has one as .scaler, such as "
         f"a TrainStep or a mixprec.integrations precision plugin), got {type(obj).__name__}: "
         f"torch.amp.GradScaler keeps no history to read."

@@ -23,7 +23,7 @@ import torch
 
 from mixprec._optional import require_matplotlib
 from mixprec.dtypes import dtype_name
-from mixprec.errors import MixprecError
+from mixprec.errors import ArgumentTypeError, ArgumentValueError, MixprecError, UsageError
 
 __all__ = ["ScaleHistory", "UnderflowReport", "grad_underflow", "scale_history"]
 
@@ -189,12 +189,12 @@ def grad_underflow(
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"grad_underflow needs a torch.nn.Module, got {type(model).__name__}.")
     if not (isinstance(scale, (int, float)) and 0 < scale < math.inf):
-        raise MixprecError(f"grad_underflow scale={scale!r} must be a finite number > 0.")
+        raise ArgumentValueError(f"grad_underflow scale={scale!r} must be a finite number > 0.")
     reason = "given"
     if dtype is None:
         dtype, reason = _dtype_in_use(model)
     if dtype not in (torch.float16, torch.bfloat16):
-        raise MixprecError(
+        raise ArgumentValueError(
             f"grad_underflow dtype must be torch.float16 or torch.bfloat16, got {dtype}."
         )
     tiny, normal, top = _bounds(dtype)
@@ -217,7 +217,7 @@ def grad_underflow(
         names.append((name, a.numel()))
         stats.append(row.to(stats[0].device) if stats else row)
     if not stats:
-        raise MixprecError(
+        raise UsageError(
             "grad_underflow found no gradients: call it after backward() (and before zero_grad)."
         )
     values = torch.stack(stats).tolist()  # the one sync
@@ -285,7 +285,7 @@ class ScaleHistory:
         line; the axes span at least one update either side and a factor of 2 above and below.
         """
         if not self.rows:
-            raise MixprecError(
+            raise UsageError(
                 "scale history has no updates yet: nothing to plot. Call scale_history(scaler) "
                 "after at least one scaler.update()."
             )
@@ -331,7 +331,7 @@ def scale_history(scaler: Any, loss_id: int = 0) -> ScaleHistory:
     if not isinstance(scaler, GradScaler):
         scaler = getattr(scaler, "scaler", scaler)  # TrainStep, AmpOptimizer
     if not isinstance(scaler, GradScaler):
-        raise MixprecError(
+        raise ArgumentTypeError(
             f"scale_history needs a mixprec.GradScaler (or a TrainStep/AmpOptimizer with one), "
             f"got {type(scaler).__name__}."
         )
@@ -339,7 +339,10 @@ def scale_history(scaler: Any, loss_id: int = 0) -> ScaleHistory:
     if losses is None:
         return ScaleHistory([], loss_id)
     if not 0 <= loss_id < len(losses):
-        raise MixprecError(f"loss_id={loss_id} is out of range; this scaler has {len(losses)}.")
+        raise ArgumentValueError(
+            f"loss_id={loss_id} is out of range: this scaler has {len(losses)} loss scale(s), "
+            f"so loss_id must be in 0..{len(losses) - 1}."
+        )
     state = losses[loss_id].state
     size = state.history.numel()
     steps = int(state.steps.item())

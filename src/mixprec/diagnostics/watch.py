@@ -38,7 +38,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from mixprec.errors import MixprecError
+from mixprec.errors import ArgumentTypeError, ArgumentValueError, UsageError
 
 __all__ = ["NonFiniteEvent", "advice", "watch_nonfinite", "watcher_of"]
 
@@ -222,9 +222,9 @@ class watch_nonfinite:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"watch_nonfinite needs a torch.nn.Module, got {type(model).__name__}.")
         if not (isinstance(history, int) and history >= 1):
-            raise MixprecError(f"watch_nonfinite history={history!r} must be an int >= 1.")
+            raise ArgumentValueError(f"watch_nonfinite history={history!r} must be an int >= 1.")
         if ops not in (True, False, "forward"):
-            raise MixprecError(
+            raise ArgumentValueError(
                 f"watch_nonfinite ops={ops!r} is not valid. Valid: True (every op while the "
                 f"watch is active), 'forward' (ops of the model's forward only) or False."
             )
@@ -258,9 +258,7 @@ class watch_nonfinite:
     # ------------------------------------------------------------------ enter / exit
     def __enter__(self) -> watch_nonfinite:
         if self.model in _ACTIVE:
-            raise MixprecError(
-                "this model is already watched; exit the other watch_nonfinite first."
-            )
+            raise UsageError("this model is already watched; exit the other watch_nonfinite first.")
         _ACTIVE[self.model] = self
         for name, module in self.model.named_modules():
             self._handles.append(module.register_forward_pre_hook(self._pre(name)))
@@ -583,7 +581,7 @@ def _scaler_of(attach: Any) -> Any:
     scaler = getattr(attach, "scaler", None)  # TrainStep, AmpOptimizer
     if isinstance(scaler, GradScaler):
         return scaler
-    raise MixprecError(
+    raise ArgumentTypeError(
         f"watch_nonfinite(attach=...) takes a mixprec.GradScaler, or a TrainStep/AmpOptimizer "
         f"that has one; got {type(attach).__name__}"
         + (" without a loss scaler (bf16 and O3 do not scale)." if scaler is None else ".")

@@ -46,7 +46,7 @@ from torch.utils._pytree import tree_flatten
 from mixprec.diagnostics.watch import NonFiniteEvent, watch_nonfinite
 from mixprec.dtypes import dtype_name, parse_device_type, resolve_dtype
 from mixprec.eager.autocast import autocast
-from mixprec.errors import MixprecError
+from mixprec.errors import ArgumentValueError, UsageError
 from mixprec.levels.keep_fp32 import Fp32Modules
 from mixprec.levels.model import amp_hooks
 from mixprec.policy.fp32_modules import escalate, select_fp32
@@ -449,12 +449,14 @@ def tune_policy(
         A `TuneReport`: ``report.policy`` to train with, ``print(report)`` for every move.
 
     Raises:
-        MixprecError: no batch, a model already initialized, or a bad budget.
+        ArgumentValueError: no batch, or a tolerance or budget out of range (a ValueError).
+        UsageError: a model already initialized, or not exactly one of loss_fn and compute_loss
+            (a RuntimeError).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"tune_policy needs an nn.Module, got {type(model).__name__}.")
     if amp_hooks(model) is not None:
-        raise MixprecError(
+        raise UsageError(
             "tune_policy needs the plain fp32 model: this one was prepared by "
             "mixprec.initialize, whose own region would be measured instead. Tune first, then "
             "initialize with policy=report.policy."
@@ -465,13 +467,15 @@ def tune_policy(
                                 ("init_scale", init_scale, 0, math.inf)):  # fmt: skip
         if not (isinstance(value, (int, float)) and not isinstance(value, bool)
                 and lo < value <= hi and math.isfinite(value)):  # fmt: skip
-            raise MixprecError(f"tune_policy {name}={value!r} must be a number in ({lo}, {hi}].")
+            raise ArgumentValueError(
+                f"tune_policy {name}={value!r} must be a number in ({lo}, {hi}]."
+            )
     batch_list = [b if isinstance(b, tuple) else tuple(b) if isinstance(b, list) else (b,)
                   for b in batches]  # fmt: skip
     if not batch_list:
-        raise MixprecError("tune_policy needs at least one batch (a list of a few batches).")
+        raise ArgumentValueError("tune_policy needs at least one batch (a list of a few batches).")
     if (loss_fn is None) == (compute_loss is None):
-        raise MixprecError(
+        raise UsageError(
             "tune_policy needs exactly one of loss_fn (loss_fn(model(*inputs), target)) and "
             "compute_loss (compute_loss(model, *batch) -> loss)."
         )
