@@ -70,6 +70,27 @@ def test_verbosity_and_enabled_are_apex_keywords(capsys):
         mixprec.initialize(_net(), None, "O1", verbosity=3)
 
 
+def test_none_and_argparse_strings_mean_what_they_meant_in_apex():
+    """Apex: "any property keyword argument that is not None is a manual override", and its
+    ImageNet example passes argparse strings on ("False", "128.0"). None for master_weights
+    silently ran O3 (every small update lost), and "False" kept norms in fp32."""
+
+    def options(**kw):
+        model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+        _, opt = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2",
+                                    dtype=FP16, **kw)  # fmt: skip
+        return opt.options, model[1].weight.dtype
+
+    default, bn_dtype = options()
+    for name in ("master_weights", "keep_batchnorm_fp32", "loss_scale", "patch_torch_functions"):
+        assert options(**{name: None}) == (default, bn_dtype), name
+    assert options(keep_batchnorm_fp32="False")[1] == FP16
+    assert options(keep_batchnorm_fp32="True")[1] == torch.float32 == bn_dtype
+    assert options(loss_scale="128.0")[0].loss_scale == 128.0
+    with pytest.raises(TypeError, match="'no' is not a truth value: pass True or False"):
+        options(keep_batchnorm_fp32="no")
+
+
 def test_cast_model_type_false_keeps_dtypes_and_gives_fp16_weights_masters():
     """Apex's O2 with cast_model_type=False: no cast, fp32 masters for the fp16 weights."""
     model = nn.Linear(2, 1, bias=False)
@@ -520,3 +541,84 @@ def test_a_scheduler_made_before_a_level_that_steps_a_new_optimizer_is_warned_ab
         scheduler.step()
         moved.append(not torch.equal(before, model.weight))
     assert moved == [True, False]  # lr 1, then 0: the scheduler drives the stepping optimizer
+
+
+def test_an_optimizer_class_that_cannot_be_rebuilt_is_refused_before_the_model_changes():
+    class TaggedSGD(torch.optim.SGD):  # a required constructor argument it does not record
+        def __init__(self, params, lr, tag):
+            super().__init__(params, lr=lr)
+            self.tag = tag
+
+    model = nn.Linear(2, 2)
+    with pytest.raises(MixprecError, match="Pass a factory instead"):
+        mixprec.initialize(model, TaggedSGD(model.parameters(), 0.1, "x"), "O2", dtype=FP16)
+    assert model.weight.dtype == torch.float32 and not model._forward_pre_hooks
+    model, opt = mixprec.initialize(model, lambda p: TaggedSGD(p, 0.1, "x"), "O2", dtype=FP16)
+    assert isinstance(opt.optimizer, TaggedSGD)  # the fix the message gives works
+
+
+def test_apexs_scale_loss_keywords_run_and_change_nothing():
+    """Apex's accumulation recipe passes delay_unscale=True on all but the last block; mixprec's
+    blocks accumulate correctly without it, so the keyword is accepted and has no effect."""
+    xs = [torch.randn(8, 4) for _ in range(4)]
+    results = []
+    for apex_style in (False, True):
+        model, opt = _o2()
+        for i, x in enumerate(xs):
+            extra = {"delay_unscale": i % 2 == 0, "model": model} if apex_style else {}
+            with mixprec.scale_loss(model(x).float().pow(2).mean(), opt, **extra) as s:
+                s.backward()
+            if i % 2:
+                opt.step()
+                opt.zero_grad()
+        results.append([p.detach().clone() for p in mixprec.master_params(opt)])
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    model, opt = _o2()
+    with (
+        pytest.raises(TypeError, match="delay_unscale='yes' must be True or False"),
+        mixprec.scale_loss(model(xs[0]).sum(), opt, delay_unscale="yes"),
+    ):
+        pass
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_outputs_are_widened_to_fp32_never_narrowed(level):
+    """O1/O2 return 16-bit outputs in fp32; a deliberate fp64 output stays fp64, as under
+    torch.autocast (Apex's O1 cast no outputs)."""
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.lin(x)
+            return h, h.double().cumsum(0)
+
+    model = mixprec.initialize(Twice(), None, level, dtype=torch.bfloat16)
+    x = torch.randn(3, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = Twice()(x)
+    low, wide = model(x)
+    assert (low.dtype, wide.dtype) == (torch.float32, torch.float64)
+    assert want[1].dtype == torch.float64
+
+
+def test_cast_model_type_names_the_low_dtype_when_dtype_is_not_given():
+    """Apex code names fp16 in cast_model_type (there was no dtype argument): on a CPU, where
+    the default is bf16, that was refused with a message that did not say how to fix it."""
+    model = nn.Linear(4, 2)
+    model, opt = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2",
+                                    cast_model_type=torch.float16)  # fmt: skip
+    assert model.weight.dtype == FP16 and opt.options.dtype == FP16 and opt.scaler is not None
+    with pytest.raises(mixprec.PolicyError, match="dtype='fp16' \\(or no dtype"):
+        mixprec.initialize(nn.Linear(2, 2), None, "O2", dtype="bf16", cast_model_type=FP16)
+
+
+def test_an_apex_amp_state_with_an_unexpected_key_is_refused_naming_it():
+    _, opt = _o2()
+    before = opt.scaler.state_dict()
+    with pytest.raises(mixprec.ScalerCheckpointError, match=r"unexpected key\(s\): \['bogus'\]"):
+        opt.scaler.load_state_dict({"loss_scaler0": {"loss_scale": 8.0, "unskipped": 0},
+                                    "bogus": 1})  # fmt: skip
+    assert opt.scaler.state_dict() == before

@@ -33,6 +33,7 @@ from mixprec.levels.optimizer import (
     AmpOptimizer,
     LossScaling,
     build_inner,
+    check_rebuildable,
     optimizer_like,
     rebuild_wrapper,
     wrapped_optimizer,
@@ -151,6 +152,8 @@ def initialize(
                 )
             if options.master_weights and _is_wrapper(opt):
                 wrapped_optimizer(opt)  # rebuilt over the masters later: refuse it now
+            elif options.master_weights and isinstance(opt, torch.optim.Optimizer):
+                check_rebuildable(opt)  # the same: its class must take its groups and defaults
             if options.master_weights or options.low_memory:
                 _check_no_scheduler(opt, options)
             if options.low_memory:
@@ -399,6 +402,9 @@ def scale_loss(
     loss: torch.Tensor,
     optimizers: AmpOptimizer | Sequence[AmpOptimizer],
     loss_id: int = 0,
+    model: Any = None,
+    delay_unscale: bool = False,
+    delay_overflow_check: bool = False,
 ) -> Iterator[torch.Tensor]:
     """Yield the loss scaled for backward; on exit, move and unscale the gradients.
 
@@ -409,7 +415,17 @@ def scale_loss(
     without loss scaling (bf16) the move waits until then, or until the step, which keeps O2's
     training state between backward and step at fp32 training's (`AmpOptimizer`). Several
     blocks per iteration accumulate, in fp32.
+
+    `model`, `delay_unscale` and `delay_overflow_check` are Apex's keywords, accepted so Apex
+    code runs unchanged, and have no effect: Apex needed ``delay_unscale=True`` on all but the
+    last block of an accumulation, where mixprec's blocks accumulate correctly as they are
+    (each block's gradients are unscaled into the running fp32 sum); the other two were unused
+    in Apex too.
     """
+    for name, value in (("delay_unscale", delay_unscale),
+                        ("delay_overflow_check", delay_overflow_check)):  # fmt: skip
+        if not isinstance(value, bool):
+            raise ArgumentTypeError(f"scale_loss: {name}={value!r} must be True or False.")
     opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
     if not opts or not all(isinstance(o, AmpOptimizer) for o in opts):
         # A RuntimeError too, as Apex's scale_loss raised before initialize.

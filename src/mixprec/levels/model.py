@@ -36,16 +36,23 @@ NORM_LAYERS: tuple[type[nn.Module], ...] = tuple(
 )  # fmt: skip
 
 
-def cast_floats(value: Any, dtype: torch.dtype) -> Any:
-    """Cast floating tensors in a nested structure to `dtype`; leave everything else."""
+def cast_floats(value: Any, dtype: torch.dtype, widen_only: bool = False) -> Any:
+    """Cast floating tensors in a nested structure to `dtype`; leave everything else.
+
+    With `widen_only`, only narrower floats are cast (an fp32 output cast leaves a model's
+    deliberate fp64 outputs alone, as torch.autocast does).
+    """
     if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+        cast = value.is_floating_point() and value.dtype != dtype
+        if cast and widen_only:
+            cast = value.dtype.itemsize < dtype.itemsize
+        return value.to(dtype) if cast else value
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
-        return type(value)(*(cast_floats(v, dtype) for v in value))
+        return type(value)(*(cast_floats(v, dtype, widen_only) for v in value))
     if isinstance(value, (list, tuple)):
-        return type(value)(cast_floats(v, dtype) for v in value)
+        return type(value)(cast_floats(v, dtype, widen_only) for v in value)
     if isinstance(value, Mapping):
-        return type(value)({k: cast_floats(v, dtype) for k, v in value.items()})
+        return type(value)({k: cast_floats(v, dtype, widen_only) for k, v in value.items()})
     return value
 
 
@@ -129,7 +136,8 @@ class AmpHooks:
             if stack:
                 stack.pop().__exit__(None, None, None)
         if self.output_dtype is not None and output is not None:
-            return cast_floats(output, self.output_dtype)
+            # To fp32 only widens: the cast undoes low precision; it never narrows fp64.
+            return cast_floats(output, self.output_dtype, self.output_dtype == torch.float32)
         return None
 
     def add_handles(self, handles: list[Any]) -> None:

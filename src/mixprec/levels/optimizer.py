@@ -176,6 +176,31 @@ def rebuild_wrapper(wrapper: Any, masters: dict[int, torch.Tensor]) -> Any:
     return copy
 
 
+def _cannot_rebuild(cls: type, err: Exception) -> MixprecError:
+    return MixprecError(
+        f"cannot rebuild {cls.__name__} over fp32 master weights from its defaults ({err}). "
+        f"Pass a factory instead of an instance: mixprec.initialize(model, lambda params: "
+        f"{cls.__name__}(params, ...), opt_level='O2')."
+    )
+
+
+def check_rebuildable(optimizer: torch.optim.Optimizer) -> None:
+    """Raise `build_inner`'s error now if `optimizer`'s class cannot be called with its groups
+    and defaults (a required constructor argument it does not record): ``initialize`` checks
+    before it changes any model.
+
+    Raises:
+        MixprecError: as `build_inner`.
+    """
+    cls = type(optimizer)
+    try:
+        inspect.signature(cls).bind(optimizer.param_groups, **constructor_defaults(optimizer))
+    except TypeError as err:
+        raise _cannot_rebuild(cls, err) from err
+    except ValueError:  # no signature to read (a C-level class): build_inner will tell
+        pass
+
+
 def build_inner(
     optimizer: torch.optim.Optimizer, masters: dict[int, torch.Tensor]
 ) -> torch.optim.Optimizer:
@@ -195,11 +220,7 @@ def build_inner(
     try:
         inner = cls(groups, **defaults)
     except TypeError as err:
-        raise MixprecError(
-            f"cannot rebuild {cls.__name__} over fp32 master weights from its defaults ({err}). "
-            f"Pass a factory instead of an instance: mixprec.initialize(model, lambda params: "
-            f"{cls.__name__}(params, ...), opt_level='O2')."
-        ) from err
+        raise _cannot_rebuild(cls, err) from err
     if optimizer.state:
         inner.load_state_dict(optimizer.state_dict())
     return inner

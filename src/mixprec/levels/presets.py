@@ -9,6 +9,7 @@ was meant.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import enum
 import math
@@ -258,6 +259,17 @@ class AmpOptions:
 APEX_MAX_LOSS_SCALE = 2.0**24
 
 
+def _dtype_named_by_model_type(value: Any) -> torch.dtype | None:
+    """The 16-bit dtype `cast_model_type` names (torch.float16, 'bf16'), if it names one."""
+    if value is None or isinstance(value, bool) or value == "low":
+        return None
+    try:
+        parsed = parse_dtype(value)
+    except (PolicyError, TypeError):
+        return None  # _parse_model_type reports it
+    return parsed if parsed in (torch.float16, torch.bfloat16) else None
+
+
 def _parse_model_type(value: Any, low: torch.dtype) -> torch.dtype | None:
     if value is None or value is False:  # False: Apex's "leave the model's dtype alone"
         return None
@@ -281,11 +293,15 @@ def resolve(
     """
     level = OptLevel.parse(opt_level)
     device_type = parse_device_type(device_type)
+    overrides = _apex_values(overrides)
     unknown = sorted(set(overrides) - set(OVERRIDES))
     if unknown:  # a TypeError too, as Python raises for Apex's unknown keyword arguments
         raise ArgumentTypeError(unknown_value("initialize option", unknown[0], OVERRIDES))
     preset = PRESETS[level]
-    choice = resolve_dtype(device_type, dtype)
+    named = _dtype_named_by_model_type(overrides.get("cast_model_type")) if dtype is None else None
+    choice = resolve_dtype(device_type, dtype if named is None else named)
+    if named is not None:  # Apex code names the low dtype there (cast_model_type=torch.float16)
+        choice = choice._replace(reason="named by cast_model_type")
     if dtype is None and overrides.get("master_weights", preset.master_weights) in (
         "stochastic",
         "split",
@@ -387,6 +403,36 @@ def resolve(
     )  # fmt: skip
 
 
+#: Options where None means "the level's default", as every option did in Apex ("any property
+#: keyword argument that is not None is a manual override"). cast_model_type and
+#: cast_model_outputs are not among them: there None means "leave the dtype alone" (O1's own
+#: preset value; docs/migration.md lists the difference).
+_NONE_IS_DEFAULT = frozenset({"master_weights", "keep_batchnorm_fp32", "loss_scale",
+                              "patch_torch_functions"})  # fmt: skip
+_BOOL_STRINGS = {"True": True, "False": False}
+
+
+def _apex_values(overrides: dict[str, Any]) -> dict[str, Any]:
+    """Option values as Apex read them: None for the default (`_NONE_IS_DEFAULT`), the strings
+    argparse hands on ("True"/"False" for keep_batchnorm_fp32, "128.0" for loss_scale)."""
+    out = {}
+    for name, value in overrides.items():
+        if value is None and name in _NONE_IS_DEFAULT:
+            continue
+        if name in ("keep_batchnorm_fp32", "patch_torch_functions") and isinstance(value, str):
+            if value not in _BOOL_STRINGS:
+                raise ArgumentTypeError(
+                    f"{name}={value!r} is not a truth value: pass True or False (Apex's "
+                    f"strings 'True' and 'False' are read as those)."
+                )
+            value = _BOOL_STRINGS[value]
+        if name == "loss_scale" and isinstance(value, str) and value != "dynamic":
+            with contextlib.suppress(ValueError):  # else _check names the valid values
+                value = float(value)
+        out[name] = value
+    return out
+
+
 def _parse_master(value: Any, low: torch.dtype) -> tuple[bool, str | None]:
     """``master_weights`` as (fp32 masters?, low-memory weights mode or None)."""
     if value is True or value == "fp32":
@@ -483,7 +529,8 @@ def _check(level, low, model_type, patch, keep_bn, master, loss_scale, min_ls, m
         raise PolicyError(
             f"cast_model_type={dtype_name(model_type)!r} is neither fp32 nor this run's low "
             f"dtype {dtype_name(low)!r}. Valid: {format_options(['fp32', dtype_name(low)])} or "
-            f"None."
+            f"None; or run in {dtype_name(model_type)}: dtype={dtype_name(model_type)!r} (or no "
+            f"dtype, which cast_model_type then names)."
         )
     low_model = model_type is not None and model_type != torch.float32
     scaled = loss_scale == "dynamic" or float(loss_scale) != 1.0

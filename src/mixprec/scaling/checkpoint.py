@@ -216,6 +216,14 @@ def _from_apex(sd: dict[str, Any], scaler: GradScaler) -> dict[str, Any]:
     the growth tracker (clean updates since the last growth or overflow)."""
     keys = [f"loss_scaler{i}" for i in range(len(sd))]
     if not sd or sorted(sd) != sorted(keys):
+        apex = [k for k in sd if isinstance(k, str) and k.startswith("loss_scaler")]
+        if apex and "scale" not in sd:  # Apex's format, with keys it never wrote
+            unexpected = sorted(str(k) for k in sd if k not in keys)
+            raise ScalerCheckpointError(
+                f"an Apex amp state dict has the keys loss_scaler0, loss_scaler1, ... (one per "
+                f"loss, numbered from 0) and nothing else; unexpected key(s): {unexpected}. "
+                f"Pass amp.state_dict() as Apex saved it."
+            )
         return sd
     losses = []
     for key in keys:
