@@ -503,13 +503,7 @@ _SHARDINGS = ("torch-fp32", "torch-8bit", "mixprec-fp32", "mixprec-8bit")
     [
         ("TrainStep", "mixprec.TrainStep"),
         ("checkpoint", "mixprec checkpoints (save_checkpoint, load_checkpoint)"),
-        pytest.param(
-            "initialize",
-            "mixprec.initialize",
-            marks=pytest.mark.xfail(
-                strict=True, reason="the refusal's call in initialize is added separately"
-            ),
-        ),
+        ("initialize", "mixprec.initialize"),
     ],
 )
 def test_a_lowmem_optimizer_on_fsdp2_shards_is_refused(pools, tmp_path, entry, prefix):

@@ -143,6 +143,9 @@ def initialize(
         ours = {id(p) for model in model_list for p in model.parameters()}
         for opt in opt_list:
             _check_optimizer_arg(opt)
+            # A low-memory optimizer over FSDP2 shards (built by the caller) keeps plain
+            # per-rank states that DCP would save as replicated: refused as O4 is below.
+            wrapping.refuse_lowmem_on_shards(opt, "mixprec.initialize")
             held = [p for g in getattr(opt, "param_groups", ()) for p in g["params"]]
             if held and not any(id(p) in ours for p in held):
                 raise UsageError(
