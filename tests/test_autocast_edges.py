@@ -3,6 +3,8 @@ checked against torch.autocast as the reference on the CPU."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 from torch import nn
@@ -153,3 +155,49 @@ assert dtypes == [torch.bfloat16, torch.bfloat16], dtypes
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+# ------------------------------------------------- re-entrant copies see the module as it is
+
+
+class _SdpaSpy:
+    """Counts the calls ``nn.MultiheadAttention`` makes to F.scaled_dot_product_attention (a
+    module global of F.multi_head_attention_forward) while patched in, per region."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.mha = nn.MultiheadAttention(8, 2)
+        self.x = torch.randn(3, 1, 8)
+        self.real = torch.nn.functional.scaled_dot_product_attention
+        self.calls: list[str] = []
+        self.who = ""
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append(self.who)
+        return self.real(*args, **kwargs)
+
+    def patch(self):
+        return mock.patch("torch.nn.functional.scaled_dot_product_attention", self)
+
+    def run(self, *names: str) -> dict[str, int]:
+        regions = {"torch": _torch_region, "mixprec": _mixprec_region}
+        for name in names:
+            self.who = name
+            with regions[name]():
+                self.mha(self.x, self.x, self.x, need_weights=False)
+        return {name: self.calls.count(name) for name in names}
+
+
+def test_reentrant_copies_see_a_patch_made_after_the_first_region():
+    spy = _SdpaSpy()
+    spy.run("mixprec")  # the re-entrant copies exist now, taken before the patch
+    with spy.patch():
+        assert spy.run("torch", "mixprec") == {"torch": 1, "mixprec": 1}
+
+
+def test_reentrant_copies_drop_a_patch_once_it_is_undone():
+    spy = _SdpaSpy()
+    with spy.patch():
+        assert spy.run("mixprec") == {"mixprec": 1}
+    spy.calls.clear()
+    assert spy.run("torch", "mixprec") == {"torch": 0, "mixprec": 0}

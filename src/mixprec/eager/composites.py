@@ -29,6 +29,7 @@ __all__ = [
     "needs_reentry",
     "reachable_names",
     "reentrant_copy",
+    "refresh_globals",
     "super_calling_methods",
     "torch_python_functions",
     "transparent_names",
@@ -198,8 +199,9 @@ def needs_reentry(func: types.FunctionType, names: Iterable[str]) -> bool:
     return not reachable_names(func).isdisjoint(names)
 
 
-# id(module globals) -> (the module globals, our copy with has_torch_function* -> False).
-_globals_copies: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
+# id(module globals) -> (the module globals, our copy, the copy's own entries: its
+# has_torch_function* names, answering False).
+_globals_copies: dict[int, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {}
 _copies: dict[types.FunctionType, types.FunctionType] = {}
 
 
@@ -210,13 +212,31 @@ def _never(*_args: Any, **_kwargs: Any) -> bool:
 def _reentrant_globals(glb: dict[str, Any]) -> dict[str, Any]:
     entry = _globals_copies.get(id(glb))
     if entry is None or entry[0] is not glb:
-        copy = dict(glb)
-        for name in _HAS_TF:
-            if name in copy:
-                copy[name] = _never
-        entry = (glb, copy)
+        own = {name: _never for name in _HAS_TF if name in glb}
+        entry = (glb, {**glb, **own}, own)
         _globals_copies[id(glb)] = entry
     return entry[1]
+
+
+def refresh_globals() -> None:
+    """Bring the re-entrant copies' globals up to date with their modules' globals.
+
+    A copy's globals are a dict of its own, so a monkeypatch of a module global made after the
+    copy was taken (``mock.patch("torch.nn.functional.scaled_dot_product_attention")``), or
+    undone since, would not reach the copy's body, while torch.autocast sees it. The outermost
+    region calls this on entry (in eager code), so each region sees the module as it is then;
+    a patch made or undone *inside* an open region reaches copies at the next region.
+
+    Cost: one C-level dict merge per module with copied functions (a handful of torch modules;
+    a few microseconds each), once per outermost region; nothing per op.
+    """
+    for glb, copy, own in _globals_copies.values():
+        # One update, with the copy's own entries merged in first: another thread running a
+        # copy never sees its has_torch_function names answer True in between.
+        copy.update({**glb, **own})
+        if len(copy) != len(glb):  # a name the module has dropped (a patch with create=True)
+            for name in copy.keys() - glb.keys():
+                del copy[name]
 
 
 def reentrant_copy(
@@ -227,7 +247,8 @@ def reentrant_copy(
     Closure cells holding other torch functions (``boolean_dispatch`` in ``F.max_pool2d``, the
     operator wrappers of ``Tensor``) are copied the same way, so the whole wrapper chain runs its
     body once, under the caller's mode. The copy shares code, defaults and closure values with
-    the original; only the module globals it sees differ (a snapshot taken at first use).
+    the original; only the module globals it sees differ (a copy of the module's, refreshed
+    when an outermost region is entered: `refresh_globals`).
     """
     copy = _copies.get(func)
     if copy is not None:
