@@ -201,3 +201,21 @@ def test_reentrant_copies_drop_a_patch_once_it_is_undone():
         assert spy.run("mixprec") == {"mixprec": 1}
     spy.calls.clear()
     assert spy.run("torch", "mixprec") == {"torch": 0, "mixprec": 0}
+
+
+# ------------------------------------------------------------------------------------ errors
+
+
+def test_unknown_dtype_suggests_the_close_low_dtype():
+    with pytest.raises(mixprec.PolicyError, match=r"Did you mean 'bf16'.*computes in 'bf16'"):
+        mixprec.autocast("cpu", dtype="bf32")
+
+
+def test_numpy_bool_is_refused_as_torch_refuses_it_with_a_message_that_names_it():
+    np = pytest.importorskip("numpy")
+    with pytest.raises(TypeError, match="must be bool"), torch.autocast("cpu", enabled=np.True_):
+        pass
+    with pytest.raises(TypeError, match=r"got numpy\.bool np\.True_\. Pass bool\(enabled\)"):
+        mixprec.autocast("cpu", enabled=np.True_)
+    with pytest.raises(TypeError, match=r"got numpy\.bool np\.False_"):
+        mixprec.autocast("cpu", cache_enabled=np.False_)

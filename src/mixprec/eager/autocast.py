@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import difflib
 import functools
 import warnings
 from collections.abc import Callable, Iterator
@@ -29,7 +30,7 @@ from mixprec.dtypes import (
 from mixprec.eager import composites
 from mixprec.eager.mode import AutocastMode, find_mode, torch_state
 from mixprec.eager.table import Region
-from mixprec.errors import AutocastError
+from mixprec.errors import AutocastError, PolicyError, format_options
 from mixprec.policy.policy import Policy, as_policy
 
 __all__ = ["autocast", "get_autocast_dtype", "get_autocast_policy", "is_autocast_enabled"]
@@ -101,14 +102,19 @@ class autocast:
         policy: Policy | str | None = None,
     ) -> None:
         self.device_type = parse_device_type(device_type)
+        # torch.autocast refuses numpy bools too (set_autocast_enabled raises TypeError).
         if not isinstance(enabled, bool):
-            raise TypeError(f"enabled must be a bool, got {type(enabled).__name__} {enabled!r}.")
+            raise TypeError(
+                f"enabled must be a bool (True or False), got {_type_name(enabled)} "
+                f"{enabled!r}. Pass bool(enabled)."
+            )
         if cache_enabled is not None and not isinstance(cache_enabled, bool):
             raise TypeError(
-                f"cache_enabled must be a bool or None, got {type(cache_enabled).__name__}."
+                f"cache_enabled must be a bool or None, got {_type_name(cache_enabled)} "
+                f"{cache_enabled!r}. Pass bool(cache_enabled)."
             )
         self.policy = policy = as_policy(policy)
-        requested = None if dtype is None else parse_dtype(dtype)  # validated even when disabled
+        requested = None if dtype is None else _parse_region_dtype(dtype)  # even when disabled
         if enabled and requested is not None and requested not in LOW_DTYPES:
             if requested.is_floating_point and requested.itemsize == 1:
                 parse_dtype(requested, low_only=True)  # FP8: raises, naming the FP8 layer rule
@@ -236,6 +242,37 @@ class autocast:
                 return func(*a, **kw)
 
         return decorate_autocast  # type: ignore[return-value]
+
+
+def _type_name(value: object) -> str:
+    """``bool``, but ``numpy.bool`` for numpy's (whose ``__name__`` is also 'bool')."""
+    cls = type(value)
+    return cls.__name__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+
+
+# The names a region's dtype can take (see mixprec.dtypes); fp32 disables the region.
+_LOW_NAMES = ("bf16", "bfloat16", "fp16", "float16", "half", "f16")
+_OTHER_NAMES = ("fp32", "float32", "float", "f32", "fp64", "float64", "double")
+
+
+def _parse_region_dtype(value: str | torch.dtype) -> torch.dtype:
+    """`parse_dtype`, with an unknown name answered by the closest low dtypes first: a region
+    computes in bf16 or fp16, so 'bf32' means 'bf16' more likely than 'f32'."""
+    try:
+        return parse_dtype(value)
+    except PolicyError as err:
+        if not isinstance(value, str) or not str(err).startswith("unknown dtype"):
+            raise  # not a name, or an FP8 name (its message points to the FP8 layer rule)
+        key = value.strip().lower().removeprefix("torch.")
+        close = difflib.get_close_matches(key, _LOW_NAMES, n=2, cutoff=0.5)
+        close += [n for n in difflib.get_close_matches(key, _OTHER_NAMES, n=2) if n not in close]
+        if not close:
+            raise  # not a dtype name at all (FP8 names get their own message there)
+        raise PolicyError(
+            f"unknown dtype {value!r}. Did you mean {format_options(close[:3])}? An autocast "
+            f"region computes in {format_options(_LOW_NAMES)} (torch.bfloat16, "
+            f"torch.float16); 'fp32' disables it."
+        ) from None
 
 
 @contextlib.contextmanager
