@@ -622,3 +622,25 @@ def test_an_apex_amp_state_with_an_unexpected_key_is_refused_naming_it():
         opt.scaler.load_state_dict({"loss_scaler0": {"loss_scale": 8.0, "unskipped": 0},
                                     "bogus": 1})  # fmt: skip
     assert opt.scaler.state_dict() == before
+
+
+def test_refusals_are_also_the_builtin_exceptions_api_md_promises():
+    model = nn.Linear(2, 2)
+    mixprec.initialize(model, None, "O1")
+    with pytest.raises(RuntimeError, match="already initialized"):
+        mixprec.initialize(model, None, "O1")
+
+    class NoInner:  # an optimizer-like wrapper holding no torch optimizer: cannot be rebuilt
+        def __init__(self, params):
+            self.param_groups = [{"params": list(params)}]
+            self.state = {}
+
+        def step(self):
+            pass
+
+        def zero_grad(self):
+            pass
+
+    plain = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="Pass a factory instead"):
+        mixprec.initialize(plain, NoInner(plain.parameters()), "O2", dtype=FP16)

@@ -30,7 +30,7 @@ from mixprec.distributed import agreement
 from mixprec.distributed.fsdp import sharded_options, sharding_mismatch
 from mixprec.distributed.topology import DistributedError, ddp_params, fsdp_modules, unwrap_ddp
 from mixprec.dtypes import dtype_name
-from mixprec.errors import MixprecError
+from mixprec.errors import UsageError
 from mixprec.levels.model import amp_hooks
 from mixprec.levels.presets import AmpOptions
 
@@ -55,7 +55,7 @@ def model_kind(
     """``'plain'``, ``'ddp'`` or ``'sharded'`` (prepared by mixprec.fully_shard); or raise.
 
     Raises:
-        MixprecError: the model was initialized already (the message gives the fix for the way
+        UsageError: the model was initialized already (the message gives the fix for the way
             it is wrapped now).
         DistributedError: the level cannot be applied to the model as it is wrapped (the message
             gives the order that works).
@@ -64,9 +64,9 @@ def model_kind(
     casts = casts_weights(options)
     hooks = find_hooks(model)
     if hooks is not None and hooks.sharded is None:
-        raise MixprecError(already_initialized_message(model))
+        raise UsageError(already_initialized_message(model))
     if hooks is not None and hooks.optimized and with_optimizer:
-        raise MixprecError(
+        raise UsageError(
             f"{type(model).__name__} (sharded by mixprec.fully_shard) was already given to "
             f"mixprec.initialize with an optimizer; call initialize once per model."
         )

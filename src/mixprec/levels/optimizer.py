@@ -153,7 +153,7 @@ def wrapped_optimizer(wrapper: Any) -> str:
     inner = [k for k, v in fields.items() if isinstance(v, torch.optim.Optimizer)]
     if len(inner) != 1:
         name = type(wrapper).__name__
-        raise MixprecError(
+        raise ArgumentTypeError(
             f"cannot rebuild {name} over fp32 master weights: it does not hold exactly one "
             f"torch optimizer in its attributes (found {len(inner)}). Pass a factory instead: "
             f"mixprec.initialize(model, lambda params: {name}(torch.optim.SGD(params, ...)), "
@@ -177,7 +177,7 @@ def rebuild_wrapper(wrapper: Any, masters: dict[int, torch.Tensor]) -> Any:
 
 
 def _cannot_rebuild(cls: type, err: Exception) -> MixprecError:
-    return MixprecError(
+    return ArgumentTypeError(
         f"cannot rebuild {cls.__name__} over fp32 master weights from its defaults ({err}). "
         f"Pass a factory instead of an instance: mixprec.initialize(model, lambda params: "
         f"{cls.__name__}(params, ...), opt_level='O2')."

@@ -24,6 +24,7 @@ import torch
 
 from mixprec._compat import local_tensor
 from mixprec.errors import MixprecError
+from mixprec.scaling.state import ScalerConfigError
 
 __all__ = ["IMPLS", "GradGroups", "check_finite_", "group_grads", "unscale_and_check_"]
 
@@ -115,4 +116,4 @@ def _unscale_and_check(grads, inv_scale, found_inf, impl):
     elif impl == "torch":
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
     else:  # pragma: no cover - validated by the scaler's constructor
-        raise MixprecError(f"unknown unscale implementation {impl!r}; valid: {IMPLS}")
+        raise ScalerConfigError(f"unknown unscale implementation {impl!r}; valid: {IMPLS}")
