@@ -344,7 +344,11 @@ class Policy:
         for name, via in COMPOSITES.items():
             if name in ops:
                 continue  # listed (or edited) itself: the outer registration wins
-            per_call = via.resolve is not None and device_type not in via.dispatcher
+            # Per call where the table's device decides by the arguments; a table named after a
+            # dispatcher device (table="cuda" on a CPU: CUDA's rules, as Apex's tests run them)
+            # takes that device's static answer (lstm: _cudnn_rnn, lowered).
+            table_device = self.table or device_type
+            per_call = via.resolve is not None and table_device not in via.dispatcher
             if per_call or via.decompose is not None:
                 dynamic[name] = via
                 reasons[name] = (
