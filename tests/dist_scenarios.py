@@ -523,3 +523,46 @@ def capture_rules(rank: int, world: int) -> dict[str, str | None]:
                     os.environ.pop(var, None)
             out[name] = rules.capture_blocker(model, cuda, built_here)
     return out
+
+
+def ddp_no_sync(rank: int, world: int, scaler_kind: str, order: str) -> dict[str, Any]:
+    """Two micro-batches per step, the first under DDP's no_sync(); an inf in the last rank's
+    first micro-batch at step 1. Every rank must end with the same weights and skips."""
+    import contextlib
+
+    model = net()
+    opt = _opt(model)
+    if order == "initialize-then-ddp":
+        model, opt = mixprec.initialize(model, opt, "O1", dtype=torch.float16)
+        ddp = _ddp(model)
+    elif order == "ddp-then-initialize":
+        ddp, opt = mixprec.initialize(_ddp(model), opt, "O1", dtype=torch.float16)
+    else:  # the drop-in scaler with its scaled() blocks
+        ddp = _ddp(model)
+        scaler = mixprec.GradScaler("cpu")
+    skipped = []
+    for step in range(3):
+        opt.zero_grad()
+        before = [p.detach().clone() for p in model.parameters()]
+        x, y = batch(step, 2 * world)
+        for mb in range(2):
+            xr, yr = part(x, 2 * rank + mb), part(y, 2 * rank + mb)
+            if step == 1 and mb == 0:
+                xr = poison(xr, INF_STEP, rank, world - 1)
+            with ddp.no_sync() if mb == 0 else contextlib.nullcontext():
+                if order == "drop-in":
+                    with mixprec.autocast("cpu", dtype=torch.float16):
+                        loss = loss_of(ddp, xr, yr)
+                    with scaler.scaled(loss, opt) as scaled:
+                        scaled.backward()
+                else:
+                    with mixprec.scale_loss(loss_of(ddp, xr, yr), opt) as scaled:
+                        scaled.backward()
+        if order == "drop-in":
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        skipped.append(all(torch.equal(a, b) for a, b in zip(before, model.parameters(),
+                                                             strict=True)))  # fmt: skip
+    return {"params": params_of(model), "skipped": skipped}

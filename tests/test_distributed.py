@@ -626,3 +626,15 @@ def test_fsdp2_fp8_misuse_names_the_fix(pools):
     assert r["no layer"].startswith("FP8 (recipe 'delayed') converts no layer of Sequential")
     assert "in_features=8 not a multiple of 16" in r["no layer"]
     assert r["unsharded after refusal"] == "Parameter"  # refused before anything changed
+
+
+@pytest.mark.parametrize("order", ["initialize-then-ddp", "ddp-then-initialize", "drop-in"])
+def test_accumulating_under_no_sync_keeps_the_replicas_equal(pools, order):
+    """DDP's no_sync(): the first synchronised backward all-reduces everything .grad holds.
+    The scaler set earlier micro-batches' gradients aside during each block, so DDP reduced
+    only the last one and every rank kept its own earlier ones: the replicas drifted apart
+    (0.09 max difference after 2 steps), and an inf in a no_sync micro-batch made one rank
+    skip alone."""
+    r0, r1 = pools(2).run(S.ddp_no_sync, "fp16", order)
+    assert _equal(r0["params"], r1["params"])
+    assert r0["skipped"] == r1["skipped"] == [False, True, False]

@@ -350,9 +350,18 @@ class GradScaler:
             scaler.step(optimizer)
             scaler.update()
 
-        Gradients accumulated before the block are set aside, the block's backward writes
-        ``scale_i * g_i``, which is unscaled and checked on exit (overflows are charged to loss
-        `loss_id` only) and added back. Cost: one extra gradient buffer while the block runs.
+        With one loss, gradients accumulated before the block stay where they are, multiplied
+        by the scale, so the backward adds ``scale * g`` to them and the sum is unscaled and
+        checked on exit. They must stay in place: under DDP's ``no_sync()`` the earlier
+        micro-batches' gradients are local, and the first synchronised backward all-reduces
+        whatever ``.grad`` holds (set aside, each rank kept its own and the replicas drifted
+        apart). Cost: one multiply of the earlier gradients per block after the first (exact
+        for the power-of-two scales the dynamic scaler keeps; a static scale that is not a
+        power of two may move them by an ulp). With several losses or optimizers the earlier
+        gradients are set aside and added back instead, so that each block's overflow is
+        charged to its own loss and optimizers only (cost: one extra gradient buffer while the
+        block runs); that does not combine with DDP's ``no_sync()``. A backward that raises
+        leaves the earlier gradients as they were, unless it had already added to them.
 
         An overflow skips the step of the optimizers passed to the block that saw it, and only
         theirs (as Apex's ``scale_loss``; as torch's scaler, whose skip is per optimizer): with
@@ -373,20 +382,37 @@ class GradScaler:
                     "iteration; all backward passes of an iteration come before unscaling."
                 )
         params = [p for opt in opts for g in opt.param_groups for p in g["params"]]
-        stash = {id(p): p.grad for p in params if p.grad is not None}
-        for p in params:
-            p.grad = None
-        try:
-            yield self.scale(loss, loss_id)
-        except BaseException:
-            for p in params:  # a failed backward: put the earlier gradients back untouched
-                p.grad = stash.get(id(p))
-            raise
-        losses = self._ensure(loss.device)
-        entry = losses[loss_id]
+        scaled = self.scale(loss, loss_id)
+        entry = self._ensure(loss.device)[loss_id]
         # fp16 gradients of an optimizer that takes the scale itself (mixprec's low-memory
         # optimizers) stay scaled: unscaled in fp16 they would lose their small values; the
-        # optimizer divides them by the scale in fp32 at step() (`_deferred`).
+        # optimizer divides them by the scale in fp32 at step() (`_deferred`). Earlier ones
+        # are scaled already (`scaled_already`), so the block's add to them as they are.
+        scaled_already = {
+            id(p) for o in opts if self._defers(o) for g in o.param_groups for p in g["params"]
+        }
+        alone = len(opts) == 1 and set(self._per_optimizer) <= {id(opts[0])}
+        if self._num_losses == 1 and alone:
+            earlier = [p.grad for p in params if p.grad is not None and id(p) not in scaled_already]
+            stash: dict[int, torch.Tensor] = {}
+            self._rescale(earlier, entry.state.scale)
+        else:
+            # Several losses or optimizers: each block's overflow must be told apart from an
+            # earlier block's (one loss's scale backs off, one optimizer skips, not the
+            # others), so earlier gradients are set aside and added back (which does not
+            # combine with DDP's no_sync: docs/distributed.md).
+            earlier = []
+            stash = {id(p): p.grad for p in params if p.grad is not None}
+            for p in params:
+                p.grad = None
+        try:
+            yield scaled
+        except BaseException:
+            self._rescale(earlier, self._inv_scale(entry, entry.state.scale.device))
+            for p in params:  # a failed backward: put set-aside gradients back untouched
+                if id(p) in stash:
+                    p.grad = stash[id(p)]
+            raise
         deferring = [opt for opt in opts if self._defers(opt)]
         kept = {id(p) for opt in deferring for g in opt.param_groups for p in g["params"]}
         groups = group_grads(p for p in params if id(p) not in kept)
@@ -416,6 +442,19 @@ class GradScaler:
         for opt in opts:
             self._state(opt).stage = _Stage.READY  # still ready: the next unscale is a no-op
             self._already_unscaled.add(id(opt))
+
+    @staticmethod
+    def _rescale(grads: list[torch.Tensor], factor: torch.Tensor) -> None:
+        """Multiply `grads` in place by `factor` (a device scalar), grouped by device and dtype;
+        sparse gradients one by one. No sync."""
+        by: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for g in grads:
+            if g.is_sparse:
+                g.mul_(factor.to(g.device, non_blocking=True))
+            else:
+                by.setdefault((g.device, g.dtype), []).append(g)
+        for (device, _), group in by.items():
+            torch._foreach_mul_(group, factor.to(device, non_blocking=True))
 
     def _defers(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether `optimizer`'s gradients stay scaled after a `scaled` block: it holds fp16
