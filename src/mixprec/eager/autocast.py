@@ -27,7 +27,6 @@ from mixprec.dtypes import (
     parse_dtype,
     resolve_dtype,
 )
-from mixprec.eager import composites
 from mixprec.eager.mode import AutocastMode, find_mode, torch_state
 from mixprec.eager.table import Region
 from mixprec.errors import AutocastError, PolicyError, format_options
@@ -185,9 +184,6 @@ class autocast:
             regions = tuple(sorted((*regions, (dev, self.dtype, self.policy)), key=lambda r: r[0]))
         pushed = False
         if mode is None and regions:
-            if not dynamo_tracing():
-                # Module globals may have been patched (or unpatched) since the last region.
-                composites.refresh_globals()
             mode = AutocastMode()
             _push_mode(mode)
             pushed = True

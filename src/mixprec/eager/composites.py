@@ -203,6 +203,8 @@ def needs_reentry(func: types.FunctionType, names: Iterable[str]) -> bool:
 # has_torch_function* names, answering False).
 _globals_copies: dict[int, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {}
 _copies: dict[types.FunctionType, types.FunctionType] = {}
+# id(our copy of module globals) -> the module globals it copies.
+_originals: dict[int, dict[str, Any]] = {}
 
 
 def _never(*_args: Any, **_kwargs: Any) -> bool:
@@ -215,28 +217,34 @@ def _reentrant_globals(glb: dict[str, Any]) -> dict[str, Any]:
         own = {name: _never for name in _HAS_TF if name in glb}
         entry = (glb, {**glb, **own}, own)
         _globals_copies[id(glb)] = entry
+        _originals[id(entry[1])] = glb
     return entry[1]
 
 
-def refresh_globals() -> None:
-    """Bring the re-entrant copies' globals up to date with their modules' globals.
+def refresh_globals(copy: types.FunctionType) -> None:
+    """Bring a re-entrant copy's module globals up to date with the module's own.
 
     A copy's globals are a dict of its own, so a monkeypatch of a module global made after the
     copy was taken (``mock.patch("torch.nn.functional.scaled_dot_product_attention")``), or
-    undone since, would not reach the copy's body, while torch.autocast sees it. The outermost
-    region calls this on entry (in eager code), so each region sees the module as it is then;
-    a patch made or undone *inside* an open region reaches copies at the next region.
+    undone since, would not reach the copy's body, while torch.autocast sees it. `ReentryRule`
+    calls this before running a copy in eager code.
 
-    Cost: one C-level dict merge per module with copied functions (a handful of torch modules;
-    a few microseconds each), once per outermost region; nothing per op.
+    Cost: one C-level dict merge of the copy's module (``torch.nn.functional``: about 200
+    names, a few microseconds), only where a re-entrant wrapper runs; nothing per op and
+    nothing per region.
     """
-    for glb, copy, own in _globals_copies.values():
-        # One update, with the copy's own entries merged in first: another thread running a
-        # copy never sees its has_torch_function names answer True in between.
-        copy.update({**glb, **own})
-        if len(copy) != len(glb):  # a name the module has dropped (a patch with create=True)
-            for name in copy.keys() - glb.keys():
-                del copy[name]
+    mine = copy.__globals__
+    module = _originals.get(id(mine))
+    entry = None if module is None else _globals_copies.get(id(module))
+    if entry is None or entry[1] is not mine:
+        return  # not a copy of ours (or one whose module went away)
+    own = entry[2]
+    # One update, with the copy's own entries merged in first: another thread running a copy
+    # never sees its has_torch_function names answer True in between.
+    mine.update({**module, **own})
+    if len(mine) != len(module):  # a name the module has dropped (a patch with create=True)
+        for name in mine.keys() - module.keys():
+            del mine[name]
 
 
 def reentrant_copy(
@@ -248,7 +256,7 @@ def reentrant_copy(
     operator wrappers of ``Tensor``) are copied the same way, so the whole wrapper chain runs its
     body once, under the caller's mode. The copy shares code, defaults and closure values with
     the original; only the module globals it sees differ (a copy of the module's, refreshed
-    when an outermost region is entered: `refresh_globals`).
+    before each eager run: `refresh_globals`).
     """
     copy = _copies.get(func)
     if copy is not None:

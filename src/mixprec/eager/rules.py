@@ -435,6 +435,7 @@ class ReentryRule:
                 # rather than recurse forever. Genuine recursion (new arguments) re-enters.
                 return func(*args, **kwargs) if kwargs else func(*args)
         active.append((func, args))
+        composites.refresh_globals(self.copy)  # module globals patched since: seen, as torch does
         _push_mode(mode)
         try:
             return self.copy(*args, **kwargs) if kwargs else self.copy(*args)
