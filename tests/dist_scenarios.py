@@ -525,18 +525,19 @@ def capture_rules(rank: int, world: int) -> dict[str, str | None]:
     return out
 
 
-def ddp_no_sync(rank: int, world: int, scaler_kind: str, order: str) -> dict[str, Any]:
-    """Two micro-batches per step, the first under DDP's no_sync(); an inf in the last rank's
-    first micro-batch at step 1. Every rank must end with the same weights and skips."""
+def ddp_no_sync(rank: int, world: int, level: str, dtype: str, order: str) -> dict[str, Any]:
+    """Two micro-batches per step, the first under DDP's no_sync(); with fp16, an inf in the
+    last rank's first micro-batch at step 1. Every rank must end with the same weights and
+    skips."""
     import contextlib
 
     model = net()
     opt = _opt(model)
     if order == "initialize-then-ddp":
-        model, opt = mixprec.initialize(model, opt, "O1", dtype=torch.float16)
+        model, opt = mixprec.initialize(model, opt, level, dtype=dtype)
         ddp = _ddp(model)
     elif order == "ddp-then-initialize":
-        ddp, opt = mixprec.initialize(_ddp(model), opt, "O1", dtype=torch.float16)
+        ddp, opt = mixprec.initialize(_ddp(model), opt, level, dtype=dtype)
     else:  # the drop-in scaler with its scaled() blocks
         ddp = _ddp(model)
         scaler = mixprec.GradScaler("cpu")
@@ -547,7 +548,7 @@ def ddp_no_sync(rank: int, world: int, scaler_kind: str, order: str) -> dict[str
         x, y = batch(step, 2 * world)
         for mb in range(2):
             xr, yr = part(x, 2 * rank + mb), part(y, 2 * rank + mb)
-            if step == 1 and mb == 0:
+            if step == 1 and mb == 0 and dtype == "fp16":
                 xr = poison(xr, INF_STEP, rank, world - 1)
             with ddp.no_sync() if mb == 0 else contextlib.nullcontext():
                 if order == "drop-in":
@@ -565,4 +566,21 @@ def ddp_no_sync(rank: int, world: int, scaler_kind: str, order: str) -> dict[str
             opt.step()
         skipped.append(all(torch.equal(a, b) for a, b in zip(before, model.parameters(),
                                                              strict=True)))  # fmt: skip
-    return {"params": params_of(model), "skipped": skipped}
+    out = {"params": params_of(model), "skipped": skipped}
+    if level == "O2":
+        out["masters"] = [full(m) for m in mixprec.master_params(opt)]
+        # A step straight after a no_sync backward would step local, still scaled gradients.
+        opt.zero_grad()
+        with ddp.no_sync(), mixprec.scale_loss(loss_of(ddp, xr, yr), opt) as scaled:
+            scaled.backward()
+        try:
+            opt.step()
+            out["refused"] = None
+        except mixprec.ScalerStateError as err:
+            out["refused"] = str(err)
+        out["unchanged"] = _equal_lists(params_of(model), out["params"])
+    return out
+
+
+def _equal_lists(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))

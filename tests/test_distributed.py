@@ -628,13 +628,28 @@ def test_fsdp2_fp8_misuse_names_the_fix(pools):
     assert r["unsharded after refusal"] == "Parameter"  # refused before anything changed
 
 
-@pytest.mark.parametrize("order", ["initialize-then-ddp", "ddp-then-initialize", "drop-in"])
-def test_accumulating_under_no_sync_keeps_the_replicas_equal(pools, order):
+@pytest.mark.parametrize(
+    ("level", "dtype", "order"),
+    [
+        ("O1", "fp16", "initialize-then-ddp"),
+        ("O1", "fp16", "ddp-then-initialize"),
+        ("O1", "fp16", "drop-in"),
+        ("O2", "fp16", "initialize-then-ddp"),
+        ("O2", "bf16", "initialize-then-ddp"),
+    ],
+)
+def test_accumulating_under_no_sync_keeps_the_replicas_equal(pools, level, dtype, order):
     """DDP's no_sync(): the first synchronised backward all-reduces everything .grad holds.
-    The scaler set earlier micro-batches' gradients aside during each block, so DDP reduced
-    only the last one and every rank kept its own earlier ones: the replicas drifted apart
-    (0.09 max difference after 2 steps), and an inf in a no_sync micro-batch made one rank
-    skip alone."""
-    r0, r1 = pools(2).run(S.ddp_no_sync, "fp16", order)
+    The scaler set earlier micro-batches' gradients aside during each block, and O2 moved them
+    into the masters, so DDP reduced only the last one and every rank kept its own earlier
+    ones: the replicas drifted apart (0.09 max difference after 2 steps), and an inf in a
+    no_sync micro-batch made one rank skip alone."""
+    r0, r1 = pools(2).run(S.ddp_no_sync, level, dtype, order)
     assert _equal(r0["params"], r1["params"])
-    assert r0["skipped"] == r1["skipped"] == [False, True, False]
+    assert _equal(r0.get("masters", []), r1.get("masters", []))
+    skips = [False, dtype == "fp16", False]
+    assert r0["skipped"] == r1["skipped"] == skips
+    if level == "O2" and dtype == "fp16":  # stepping after a no_sync backward: refused
+        assert "outside no_sync()" in r0["refused"] and r0["unchanged"]
+    elif level == "O2":  # bf16: nothing to unscale; steps what the rank has, as DDP would
+        assert r0["refused"] is None

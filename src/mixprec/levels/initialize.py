@@ -26,7 +26,7 @@ from mixprec.errors import ArgumentTypeError, UsageError
 from mixprec.fp8.convert import NoFp8LayerError, check_converts, fp8_layers, to_fp8
 from mixprec.heal.online import attach_healer
 from mixprec.levels import keep_fp32
-from mixprec.levels.model import AmpHooks, cast_model
+from mixprec.levels.model import AmpHooks, amp_hooks, cast_model
 from mixprec.levels.model_state import MasterMap, register_state_hooks
 from mixprec.levels.optimizer import (
     LOW_PRECISION,
@@ -219,6 +219,8 @@ def initialize(
         layers = [f for f in fp8 if id(masters.get(id(f.weight), f.weight)) in mine]
         lows, ms = [lo for lo, _ in own], [m for _, m in own]
         wrapped.append(AmpOptimizer(inner, options, scaling, lows, ms, layers, master_map))
+        # Whether a model's last forward ran in DDP's no_sync() (wrapped after initialize).
+        wrapped[-1]._hooks = [h for m in model_list if (h := amp_hooks(m)) is not None]
     for model, kind in zip(model_list, kinds, strict=True):
         if kind == "sharded":
             wrapping.find_hooks(model).optimized = True

@@ -108,6 +108,9 @@ class AmpHooks:
         # FSDP's fp32 shards are the masters); None when initialize did.
         self.sharded: Any = None
         self.optimized = False  # (sharded models) initialize already added the optimizer side
+        # The last forward ran inside a DDP wrapper's no_sync(): its backward leaves local
+        # gradients that the next synchronised backward must find on the weights (AmpOptimizer).
+        self.unsynced = False
         self._local = _Regions()  # per-thread stack of open regions (re-entrant calls)
         # The policy's fp32 modules and healing's moves (`mixprec.levels.keep_fp32`), at O1.
         self.fp32: Any = None
@@ -120,6 +123,8 @@ class AmpHooks:
             self._handles.append(norm.register_forward_hook(_OutputTo(low), always_call=False))
 
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        ddp = _active_ddp()
+        self.unsynced = ddp is not None and not ddp.require_backward_grad_sync
         if self.input_dtype is not None:
             args = cast_floats(args, self.input_dtype)
             kwargs = cast_floats(kwargs, self.input_dtype)
@@ -152,6 +157,13 @@ class AmpHooks:
         self._handles.clear()
         if self.fp32 is not None:
             self.fp32.remove()
+
+
+def _active_ddp() -> Any:
+    """The DistributedDataParallel whose forward is running (torch sets it around its wrapped
+    module's call, for dynamo's DDP optimizer), or None."""
+    get = getattr(nn.parallel.DistributedDataParallel, "_get_active_ddp_module", None)
+    return None if get is None or torch.compiler.is_compiling() else get()
 
 
 class _Regions(threading.local):

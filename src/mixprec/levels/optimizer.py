@@ -257,6 +257,10 @@ class AmpOptimizer(torch.optim.Optimizer):
         self._master_map = master_map if master_map is not None else MasterMap()
         self._stepped = False  # a step consumed the masters' gradients; zero_grad resets it
         self._deferred = False  # a bf16 backward left gradients on the model (_after_backward)
+        # The models' hooks (their `unsynced`: the last forward ran in DDP's no_sync()), and
+        # whether gradients of such backwards wait on the weights for DDP's reduction.
+        self._hooks: list[Any] = []
+        self._held = False
         # Wrappers such as Apex's LARC define zero_grad() without torch's set_to_none.
         params = inspect.signature(inner.zero_grad).parameters
         self._zero_grad_flag = "set_to_none" in params or any(
@@ -375,9 +379,13 @@ class AmpOptimizer(torch.optim.Optimizer):
             self._stepped = False
             for master in self._masters:
                 master.grad = None
-        self._after_backward()
+        if not self._held:  # (held: they stay for DDP to reduce with this backward's)
+            self._after_backward()
 
-    def _after_backward(self, defer: bool = False) -> None:
+    def _unsynced(self) -> bool:
+        return bool(self._low) and any(h.unsynced for h in self._hooks)
+
+    def _after_backward(self, defer: bool = False, force: bool = False) -> None:
         """Move the model's low-precision gradients into the fp32 masters (O2).
 
         With `defer` (a backward without loss scaling), a gradient whose master has none yet
@@ -388,7 +396,16 @@ class AmpOptimizer(torch.optim.Optimizer):
         fp32 copy made here held 18. The values are the same either way: the fp32 gradient is
         the exact upcast of the low one. Scaled gradients (fp16) move at once: they are
         unscaled in fp32.
+
+        Under DDP's ``no_sync()`` (the model's last forward ran inside it) nothing moves unless
+        `force`: DDP's next synchronised backward all-reduces what the weights' ``.grad`` hold,
+        so the micro-batches accumulate there, in the low dtype, and move after that backward
+        (moved earlier, each rank kept its own and the replicas drifted apart).
         """
+        if not force and self._unsynced():
+            self._held = self._deferred = True
+            return
+        self._held = False
         left = False
         with torch.no_grad():
             for low, master in zip(self._low, self._masters, strict=True):
@@ -412,7 +429,7 @@ class AmpOptimizer(torch.optim.Optimizer):
             self.optimizer.zero_grad()
         for low in self._low:
             low.grad = None
-        self._stepped = False
+        self._stepped = self._held = False
 
     def step(self, closure: Any = None, **kwargs: Any) -> Any:  # type: ignore[override]
         """Step the inner optimizer (on the masters in O2); skipped on the device on overflow.
@@ -430,6 +447,12 @@ class AmpOptimizer(torch.optim.Optimizer):
                 f"then optimizer.step(); an optimizer that needs a closure (LBFGS) runs with "
                 f"bf16 at O1 or O3 (no loss scaling, no masters)."
             )
+        if self._held and self.scaler is not None:
+            raise ScalerStateError(
+                "optimizer.step() after a backward under DDP's no_sync(): those gradients are "
+                "this rank's alone (DDP reduces them with the next backward outside no_sync) and "
+                "still scaled. Run the last micro-batch of the step outside no_sync()."
+            )
         if self._stepped:
             # A plain backward since the last step (bf16, no scale_loss block): the masters
             # still hold the gradients that step used; drop them, as `_start_backward` does,
@@ -437,7 +460,7 @@ class AmpOptimizer(torch.optim.Optimizer):
             self._stepped = False
             for master in self._masters:
                 master.grad = None
-        self._after_backward()
+        self._after_backward(force=True)
         scaler = self.scaler
         if scaler is None:
             args = () if closure is None else (closure,)
