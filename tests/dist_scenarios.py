@@ -69,6 +69,11 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t.clone()
 
 
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    """Equal lists of tensors, bit for bit."""
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
 def params_of(model: nn.Module) -> list[torch.Tensor]:
     return [full(p) for p in model.parameters()]
 
@@ -564,8 +569,7 @@ def ddp_no_sync(rank: int, world: int, level: str, dtype: str, order: str) -> di
             scaler.update()
         else:
             opt.step()
-        skipped.append(all(torch.equal(a, b) for a, b in zip(before, model.parameters(),
-                                                             strict=True)))  # fmt: skip
+        skipped.append(same(before, list(model.parameters())))
     out = {"params": params_of(model), "skipped": skipped}
     if level == "O2":
         out["masters"] = [full(m) for m in mixprec.master_params(opt)]
@@ -578,9 +582,5 @@ def ddp_no_sync(rank: int, world: int, level: str, dtype: str, order: str) -> di
             out["refused"] = None
         except mixprec.ScalerStateError as err:
             out["refused"] = str(err)
-        out["unchanged"] = _equal_lists(params_of(model), out["params"])
+        out["unchanged"] = same(params_of(model), out["params"])
     return out
-
-
-def _equal_lists(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))

@@ -53,8 +53,7 @@ def pools():
         pool.close()
 
 
-def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+_equal = S.same
 
 
 def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:

@@ -159,11 +159,13 @@ class AmpHooks:
             self.fp32.remove()
 
 
+_ACTIVE_DDP = getattr(nn.parallel.DistributedDataParallel, "_get_active_ddp_module", None)
+
+
 def _active_ddp() -> Any:
     """The DistributedDataParallel whose forward is running (torch sets it around its wrapped
     module's call, for dynamo's DDP optimizer), or None."""
-    get = getattr(nn.parallel.DistributedDataParallel, "_get_active_ddp_module", None)
-    return None if get is None or torch.compiler.is_compiling() else get()
+    return None if _ACTIVE_DDP is None or torch.compiler.is_compiling() else _ACTIVE_DDP()
 
 
 class _Regions(threading.local):
