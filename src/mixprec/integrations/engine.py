@@ -377,6 +377,15 @@ class AmpEngine:
             for amp in self.optimizers:
                 amp.optimizer.zero_grad(set_to_none=True)
         for amp in self.optimizers:
+            if amp._stepped and self.options.master_weights and not self.sharded:
+                # A step ran since the optimizer's zero_grad, and the framework cleared only
+                # the model's gradients (Transformers' model.zero_grad()): the masters' are
+                # that step's. Drop them here, as scale_loss does; left to step(), which drops
+                # them when it finds no zero_grad since the last step, they took this
+                # iteration's along (every step after the first stepped no cast weight).
+                amp._stepped = False
+                for master in amp._masters:
+                    master.grad = None
             amp._scaling.scaled = True  # the loss of this iteration is scaled (by us)
             amp._after_backward()  # (O2) an earlier micro-batch's gradients: add up in fp32
         return loss if self.scaler is None else self.scaler.scale(loss)
