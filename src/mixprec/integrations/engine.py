@@ -9,7 +9,11 @@ same for all three, so that an opt level means the same thing in each and in a h
   to the low dtype (O2 keeps norm layers in fp32, casts inputs at the model's entry and returns
   fp32 outputs);
 - backward: the loss times the scale when the level scales (fp16); in O2 the low-precision
-  gradients are added into the fp32 masters after each backward, so accumulation is in fp32;
+  gradients are added into the fp32 masters after each backward, so accumulation is in fp32,
+  except under DDP's ``no_sync()`` (the framework's accumulation: Accelerate's ``accumulate``,
+  Lightning's ``accumulate_grad_batches``, Fabric's ``no_backward_sync``), where they wait on
+  the weights, in the low dtype DDP reduces in, for DDP's synchronised backward (moved
+  earlier, each rank kept its own and the replicas drifted apart);
 - before clipping: unscale once per step (the masters in O2); clipping acts on what is stepped;
 - step: ``scaler.step`` and ``update`` (an overflowing step is skipped on the device), then in
   O2 the masters are copied into the model; O3 and bf16 steps are plain.
@@ -197,6 +201,9 @@ class AmpEngine:
         self._outputs_fp32 = outputs_fp32
         self._masters: dict[int, torch.Tensor] = {}  # id(param) -> its fp32 master (O2)
         self._modules: list[nn.Module] = []  # converted models
+        # Their hooks, one list shared by every optimizer (`AmpOptimizer._hooks`): whether the
+        # last forward ran inside DDP's no_sync(), whose gradients must wait on the weights.
+        self._hooks: list[Any] = []
         self.optimizers: list[AmpOptimizer] = []
         self._sources: list[tuple[Any, AmpOptimizer]] = []  # (the user's optimizer, its wrap)
         self.sharded = False  # a converted model is sharded with FSDP2 (it owns its precision)
@@ -272,6 +279,8 @@ class AmpEngine:
         self._modules.append(module)
         # O1: the policy's fp32 modules and healing's moves (the framework opens the region).
         own = amp_hooks(module)
+        if own is not None:
+            self._hooks.append(own)
         fp32 = own.fp32 if own is not None else keep_fp32.install(module, None, self.options)
         if fp32 is not None:
             self._fp32.append((module, fp32))
@@ -318,6 +327,10 @@ class AmpEngine:
                 master.data = master.data.to(low.device)
         amp = AmpOptimizer(inner, self.options, LossScaling(self.scaler, eager_update=True),
                            [lo for lo, _ in pairs], [m for _, m in pairs])  # fmt: skip
+        # (O2) Backwards under DDP's no_sync() leave their gradients on the weights, for DDP's
+        # next synchronised backward to reduce (the models' hooks say; shared, so a model
+        # converted later counts too).
+        amp._hooks = self._hooks
         self.optimizers.append(amp)
         self._sources.append((optimizer, amp))
         if self.healer is None:
@@ -387,7 +400,8 @@ class AmpEngine:
                 for master in amp._masters:
                     master.grad = None
             amp._scaling.scaled = True  # the loss of this iteration is scaled (by us)
-            amp._after_backward()  # (O2) an earlier micro-batch's gradients: add up in fp32
+            if not amp._held:  # (held: under no_sync(), they stay for DDP to reduce)
+                amp._after_backward()  # (O2) an earlier micro-batch's gradients: add up in fp32
         return loss if self.scaler is None else self.scaler.scale(loss)
 
     def after_backward(self) -> None:
