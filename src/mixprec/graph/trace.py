@@ -183,6 +183,35 @@ class _Annotating(fx.Interpreter):
             else:
                 n.meta["custom"] = saved
 
+    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        return super().call_function(target, *_plain(args, kwargs))
+
+    def call_method(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        return super().call_method(target, *_plain(args, kwargs))
+
+
+def _plain(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """`args` and `kwargs` with fx's immutable lists and dicts made plain lists and dicts.
+
+    fx hands a node its list arguments (``torch.cat([a, b])``, a custom op's ``Tensor[]``) as
+    ``immutable_list``. The eager rules recognise a list argument by its exact type, as eager
+    code passes it (``type(a) in (list, tuple)``: the hot path must not pay an isinstance
+    chain), so an immutable list would reach the op with its tensors uncast: the graph path
+    would not give the dtypes eager ``mixprec.autocast`` gives.
+    """
+    return _unfreeze(args), _unfreeze(kwargs)
+
+
+def _unfreeze(value: Any) -> Any:
+    # Plain containers too: an immutable list may sit inside a plain dict or tuple.
+    if isinstance(value, list):  # immutable_list included
+        return [_unfreeze(v) for v in value]
+    if isinstance(value, dict):  # immutable_dict included
+        return {k: _unfreeze(v) for k, v in value.items()}
+    if type(value) is tuple:  # not a namedtuple (torch.return_types): kept as it is
+        return tuple(_unfreeze(v) for v in value)
+    return value
+
 
 def _torch_state() -> tuple[Any, ...]:
     per_device = tuple(

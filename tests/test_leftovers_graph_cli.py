@@ -1,0 +1,92 @@
+"""Gaps left by earlier work, each pinned by the case that showed it:
+
+- graph-level AMP cast the tensors of a list argument (a custom op's ``Tensor[]``,
+  ``torch.cat``/``torch.stack``) nowhere, where eager ``mixprec.autocast`` casts each.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mixprec
+
+BF16, FP32 = torch.bfloat16, torch.float32
+
+# ------------------------------------------------------------------ graph: list arguments
+
+_SEEN: list[tuple[torch.dtype, ...]] = []
+
+
+@torch.library.custom_op("mixprec_leftovers::weighted_sum", mutates_args=())
+def _weighted_sum(xs: list[torch.Tensor], w: torch.Tensor) -> torch.Tensor:
+    _SEEN.append((*(x.dtype for x in xs), w.dtype))
+    out = w.clone()
+    for x in xs:
+        out = out + x.to(w.dtype)
+    return out
+
+
+@_weighted_sum.register_fake
+def _(xs: list[torch.Tensor], w: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(w)
+
+
+def _call_custom(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mixprec_leftovers.weighted_sum([a, b], w)
+
+
+def _mixed() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    return torch.randn(4), torch.randn(4, dtype=BF16), torch.randn(4)
+
+
+def _compilers(policy: mixprec.Policy):
+    # mixprec.compile (a region around the call) and AmpBackend alone (no region while dynamo
+    # traces: only the re-trace applies the policy).
+    yield mixprec.compile(_call_custom, policy=policy, backend="aot_eager", kernels="native")
+    torch._dynamo.reset()
+    backend = mixprec.AmpBackend(policy=policy, backend="aot_eager", kernels="native")
+    yield torch.compile(_call_custom, backend=backend)
+
+
+@pytest.mark.parametrize("category", ["lower", "fp32", "promote"])
+def test_custom_op_list_argument_is_cast_in_the_graph_as_in_eager(category):
+    policy = mixprec.Policy().move(torch.ops.mixprec_leftovers.weighted_sum, to=category)
+    a, b, w = _mixed()
+    _SEEN.clear()
+    with mixprec.autocast("cpu", policy=policy):
+        want = _call_custom(a, b, w)
+    (eager,) = _SEEN
+    assert eager == {"lower": (BF16,) * 3, "fp32": (FP32,) * 3, "promote": (FP32,) * 3}[category]
+    for compiled in _compilers(policy):
+        _SEEN.clear()
+        got = compiled(a, b, w)
+        seen = list(_SEEN)
+        assert seen == [eager], (category, seen)  # was (fp32, bf16, ...): the list uncast
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("op", [torch.cat, torch.stack])
+@pytest.mark.parametrize("move", [None, "lower", "fp32"])
+def test_cat_and_stack_lists_in_the_graph_path_equal_eager_and_torch(op, move):
+    policy = None if move is None else mixprec.Policy().move(op.__name__, to=move)
+    a, b, _ = _mixed()
+
+    def f(a, b):
+        return op([a, b]) * 2
+
+    with mixprec.autocast("cpu", policy=policy):
+        want = f(a, b)
+    if move is None:  # the default policy is torch.autocast's CPU lists: promote
+        with torch.autocast("cpu", dtype=BF16):
+            assert torch.equal(f(a, b), want)
+    torch._dynamo.reset()
+    backend = mixprec.AmpBackend(policy=policy, backend="aot_eager", kernels="native")
+    got = torch.compile(f, backend=backend)(a, b)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    # The cast is an explicit node of the graph, so the report names it.
+    (report,) = backend.reports
+    assert report.after == 1 and op.__name__ in report.casts[0].reason
+    torch._dynamo.reset()
