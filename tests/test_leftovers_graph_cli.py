@@ -1,13 +1,16 @@
 """Gaps left by earlier work, each pinned by the case that showed it:
 
 - graph-level AMP cast the tensors of a list argument (a custom op's ``Tensor[]``,
-  ``torch.cat``/``torch.stack``) nowhere, where eager ``mixprec.autocast`` casts each.
+  ``torch.cat``/``torch.stack``) nowhere, where eager ``mixprec.autocast`` casts each;
+- ``explain`` missed a ping-pong whose fp32 value passes through an op that keeps it (relu, a
+  view) before it is cast down again.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 import mixprec
 
@@ -90,3 +93,75 @@ def test_cat_and_stack_lists_in_the_graph_path_equal_eager_and_torch(op, move):
     (report,) = backend.reports
     assert report.after == 1 and op.__name__ in report.casts[0].reason
     torch._dynamo.reset()
+
+
+# ------------------------------------------------------------------ explain: ping-pong
+
+
+class _View(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(x.shape[0], -1).view(x.shape[0], -1)
+
+
+class _Residual(nn.Module):
+    """The normed value is added to another computed one (a residual stream) before the next
+    linear: a new value, so no chain pairs the norm's up-cast with that down-cast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.norm = nn.Linear(16, 32), nn.LayerNorm(32)
+        self.skip, self.b = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        stream = self.skip(x).float() * 2
+        return self.b(self.norm(self.a(x)) + stream)
+
+
+def _net(*between: nn.Module) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), *between, nn.Linear(32, 8))
+
+
+@pytest.mark.parametrize(
+    "between,ops",
+    [
+        ((), ["linear", "layer_norm", "linear"]),
+        ((nn.ReLU(),), ["linear", "layer_norm", "relu", "linear"]),
+        ((_View(),), ["linear", "layer_norm", "reshape", "view", "linear"]),
+        ((nn.GELU(), nn.Dropout(0.0), _View()),
+         ["linear", "layer_norm", "gelu", "dropout", "reshape", "view", "linear"]),
+    ],
+)  # fmt: skip
+def test_ping_pong_through_ops_that_keep_the_value(between, ops):
+    report = mixprec.explain(_net(*between), torch.randn(4, 16), device_type="cpu",
+                             policy="fp32=layer_norm")  # fmt: skip
+    (chain,) = report.ping_pong  # was none as soon as one op stood between the norm and linear
+    assert [report.rows[i]["op"] for i in chain["rows"]] == ops
+    assert chain["bytes"] == 4 * 32 * 4 + 4 * 32 * 2  # bf16 -> fp32 up, fp32 -> bf16 down
+    assert report.summary()["ping_pong"] == 1 and "ping-pong (low" in str(report)
+
+
+def test_ping_pong_stops_where_the_value_meets_another_computed_one():
+    report = mixprec.explain(_Residual(), torch.randn(4, 16), device_type="cpu",
+                             policy="fp32=layer_norm")  # fmt: skip
+    assert report.ping_pong == []
+
+
+def test_each_down_cast_of_one_up_cast_value_is_a_chain():
+    torch.manual_seed(0)
+
+    class Fork(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.norm = nn.Linear(16, 32), nn.LayerNorm(32)
+            self.q, self.k = nn.Linear(32, 8), nn.Linear(32, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.norm(self.a(x))
+            return self.q(h) + self.k(torch.relu(h))
+
+    report = mixprec.explain(Fork(), torch.randn(4, 16), device_type="cpu",
+                             policy="fp32=layer_norm")  # fmt: skip
+    paths = [c["path"] for c in report.ping_pong]
+    assert paths == ["a:linear -> norm:layer_norm -> q:linear",
+                     "a:linear -> norm:layer_norm -> (Fork):relu -> k:linear"]  # fmt: skip

@@ -121,6 +121,10 @@ class _Row:
     outputs: list[str]
     casts: list[dict[str, Any]] = field(default_factory=list)
     flops: dict[str, int] = field(default_factory=dict)
+    # Per floating input tensor: (the row that produced it, or None for a weight, buffer or
+    # model input; whether a rule cast it). The data flow the ping-pong search follows
+    # through ops that keep a value's dtype (relu, a view); not part of the JSON rows.
+    sources: list[tuple[int | None, bool]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         executed = [c for c in self.casts if not c["cached"]]
@@ -262,6 +266,12 @@ class _Recorder(AutocastMode):
                     last = row.casts[-1]
                     self.edges.append((made[0], row.index, last["from"], last["to"],
                                        0 if last["cached"] else last["bytes"]))  # fmt: skip
+        reached = {id(t) for t in after}
+        for t in before:
+            if t.is_floating_point():
+                made = self.producer.get(id(t))
+                row.sources.append((made[0] if made is not None and made[1] is t else None,
+                                    id(t) not in reached))  # fmt: skip
         raw = seen.get("raw")
         restored = isinstance(raw, torch.Tensor) and isinstance(out, torch.Tensor)
         if restored and raw is not out and raw.dtype != out.dtype:  # a rule restored the dtype

@@ -201,20 +201,55 @@ def _total(counters: Iterator[dict[str, int]]) -> Counter[str]:
 
 
 def _ping_pong(rec: _Recorder) -> list[dict[str, Any]]:
-    """Chains p -> r -> q where r casts p's low output up to fp32 and q casts r's output down."""
+    """Chains p -> r -> ... -> q: r casts p's low output up to fp32, and q casts down the fp32
+    value r made, directly or after ops that keep it what it is (relu, dropout, a view or
+    reshape, a scale by a weight: ops whose only other floating inputs are weights, buffers or
+    model inputs, with fp32 outputs). Such ops move no cast, so the value's round trip costs
+    the same two casts with or without them. A value combined with another computed one (a
+    residual add) is a new value: the search stops there, or every later down-cast of the
+    residual stream would pair with each up-cast before it."""
+    rows = rec.rows
     up: dict[int, tuple[int, int]] = {}  # fp32 row -> (producer row, bytes of its up-cast)
     for p, r, src, dst, nbytes in rec.edges:
         if src in _LOW_NAMES and dst == _FP32_NAME:
             up.setdefault(r, (p, nbytes))
+    users: dict[int, list[int]] = {}  # row -> rows that took one of its outputs uncast
+    for row in rows:
+        for made, cast in row.sources:
+            if made is not None and not cast:
+                users.setdefault(made, []).append(row.index)
+    down: dict[int, list[tuple[int, int]]] = {}  # row -> (rows casting it fp32 -> low, bytes)
+    for x, q, src, dst, nbytes in rec.edges:
+        if src == _FP32_NAME and dst in _LOW_NAMES:
+            down.setdefault(x, []).append((q, nbytes))
     chains = []
-    rows = rec.rows
-    for r, q, src, dst, nbytes in rec.edges:
-        if r in up and src == _FP32_NAME and dst in _LOW_NAMES:
-            p, up_bytes = up[r]
-            cost = up_bytes + nbytes
-            path = " -> ".join(f"{rows[i].module or '-'}:{rows[i].op}" for i in (p, r, q))
-            chains.append({"rows": [p, r, q], "path": path, "bytes": cost})
+    for r in sorted(up):
+        p, up_bytes = up[r]
+        via = {r: r}  # row of the chain -> the chain row it took the value from
+        todo = [r]
+        while todo:
+            x = todo.pop(0)
+            for q, nbytes in down.get(x, ()):
+                path = [q, x]
+                while path[-1] != r:
+                    path.append(via[path[-1]])
+                path = [p, *reversed(path)]
+                text = " -> ".join(f"{rows[i].module or '-'}:{rows[i].op}" for i in path)
+                chains.append({"rows": path, "path": text, "bytes": up_bytes + nbytes})
+            for u in dict.fromkeys(users.get(x, ())):
+                if u not in via and _keeps_value(rows[u], set(via)):
+                    via[u] = x
+                    todo.append(u)
+    chains.sort(key=lambda c: (c["rows"][-1], c["rows"][1]))  # in the order the casts ran
     return chains
+
+
+def _keeps_value(row: Any, chain: set[int]) -> bool:
+    """Whether `row` carries the chain's fp32 value on: it takes it uncast, every other
+    floating input is a weight, buffer or model input, and its floating outputs are fp32."""
+    if not row.outputs or any(d != _FP32_NAME for d in row.outputs):
+        return False
+    return all(made is None or (made in chain and not cast) for made, cast in row.sources)
 
 
 def _short(dtypes: list[str]) -> str:
