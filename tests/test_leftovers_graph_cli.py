@@ -1,9 +1,10 @@
-"""Gaps left by earlier work, each pinned by the case that showed it:
+"""Three gaps left by earlier work, each pinned by the case that showed it:
 
 - graph-level AMP cast the tensors of a list argument (a custom op's ``Tensor[]``,
   ``torch.cat``/``torch.stack``) nowhere, where eager ``mixprec.autocast`` casts each;
 - ``explain`` missed a ping-pong whose fp32 value passes through an op that keeps it (relu, a
-  view) before it is cast down again.
+  view) before it is cast down again;
+- ``--variants O1,,O2`` (and ``--modes``) dropped the empty item silently.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import torch
 from torch import nn
 
 import mixprec
+from mixprec.bench.train import MODES
+from mixprec.bench.variants import VARIANTS
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -165,3 +168,39 @@ def test_each_down_cast_of_one_up_cast_value_is_a_chain():
     paths = [c["path"] for c in report.ping_pong]
     assert paths == ["a:linear -> norm:layer_norm -> q:linear",
                      "a:linear -> norm:layer_norm -> (Fork):relu -> k:linear"]  # fmt: skip
+
+
+# ------------------------------------------------------------------ CLI: comma lists
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["bench", "--variants", "O1,,O2"], "--variants 'O1,,O2' has an empty item"),
+        (["bench", "--variants", "O1,O2,"], "Drop the extra comma (--variants O1,O2)"),
+        (["bench", "--variants", ",O1"], "has an empty item"),
+        (["bench", "--variants", ","], "--variants ',' names nothing"),
+        (["bench", "--variants", ""], "names nothing"),
+        (["bench", "--variants", "O1,O2,O1"], "names 'O1' more than once"),
+        (["train", "--modes", "fp32,,O1"], "--modes 'fp32,,O1' has an empty item"),
+        (["train", "--modes", "fp32,O1,fp32"], "give each name once: --modes fp32,O1."),
+    ],
+)
+def test_comma_lists_refuse_empty_and_repeated_items(args, message, capsys):
+    from mixprec.cli import main
+
+    # A bad option the command checks after the list: should the list be accepted, the command
+    # stops there (with another message) instead of running a benchmark or a training.
+    guard = ["--device", "nowhere"] if args[0] == "bench" else ["--model", "nowhere"]
+    assert main([*args, *guard]) == 2
+    out, err = capsys.readouterr()
+    assert message in err, err
+    valid = VARIANTS if args[0] == "bench" else MODES
+    assert "Valid: " + ", ".join(valid) in err, err  # every valid name, to pick from
+    assert "Traceback" not in err and not out
+
+
+def test_spaces_around_names_still_work():
+    from mixprec.cli import _choices
+
+    assert _choices(" O1 , O2", list(VARIANTS), "--variants") == ["O1", "O2"]

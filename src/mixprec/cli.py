@@ -252,12 +252,38 @@ def _budget(value: str, device: str, full: bool) -> float | None:
 
 
 def _choices(value: str, valid: Sequence[str], flag: str) -> list[str]:
-    names = [v.strip() for v in value.split(",") if v.strip()]
-    bad = [n for n in names if n not in valid]
-    if bad or not names:
+    """The names of a comma-separated option, each valid and given once.
+
+    An empty item (``O1,,O2``, a trailing comma) or a name given twice is refused, not dropped
+    or run twice: it is most often a name left out by mistake, and a run that quietly compares
+    fewer (or repeated) rows than were asked for reads as an answer to the question asked.
+    """
+    names = [v.strip() for v in value.split(",")]
+    bad = [n for n in names if n and n not in valid]
+    # The fix, spelt with the user's own names where there are some (O1,,O2 -> O1,O2).
+    given = ",".join(dict.fromkeys(n for n in names if n)) or ",".join(valid[:2])
+    example = f"{flag} {given}"
+    if bad:
         raise CliError(
-            f"unknown {flag} {', '.join(map(repr, bad)) or repr(value)}. "
+            f"unknown {flag} {', '.join(map(repr, bad))}. "
             f"Valid: {', '.join(valid)} (comma-separated)."
+        )
+    if not any(names):
+        raise CliError(
+            f"{flag} {value!r} names nothing. Name at least one, comma-separated (e.g. "
+            f"{example}). Valid: {', '.join(valid)}."
+        )
+    if "" in names:
+        raise CliError(
+            f"{flag} {value!r} has an empty item (two commas in a row, or a comma at an end). "
+            f"Drop the extra comma ({example}) or name the one left out. "
+            f"Valid: {', '.join(valid)}."
+        )
+    twice = sorted({n for n in names if names.count(n) > 1}, key=names.index)
+    if twice:
+        raise CliError(
+            f"{flag} {value!r} names {', '.join(map(repr, twice))} more than once; give each "
+            f"name once: {example}. Valid: {', '.join(valid)}."
         )
     return names
 
