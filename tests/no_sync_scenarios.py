@@ -50,9 +50,8 @@ def _opt(params: Any) -> torch.optim.Optimizer:
 def global_batch(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + step)
     n = world * MB * ROWS
-    # Targets exact in bf16 and fp16: under Lightning's DDP strategy the O2 model's entry hook
-    # also casts the batch that training_step receives (its forward redirection runs
-    # training_step as the LightningModule's forward), targets included.
+    # Targets exact in bf16 and fp16: these runs compare accumulation only (that Lightning's
+    # DDP strategy hands training_step its batch uncast is tests/test_lightning_redirect.py's).
     return torch.randn(n, 8, generator=g), torch.randint(-8, 9, (n, 4), generator=g) / 8
 
 

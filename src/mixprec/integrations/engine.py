@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
@@ -187,9 +187,14 @@ class AmpEngine:
         outputs_fp32: in O1, also run the model's forward inside a region entered by a forward
             hook and return its floating outputs in fp32 (what Accelerate does for its own
             autocast); without it the framework enters `autocast()` itself.
+        passthrough: ``passthrough(model)``, asked at a converted model's entry: True when the
+            call runs not the model's forward but a method the framework routes through the
+            model's call (Lightning's ``training_step`` under DDP), whose arguments and result
+            O2 then leaves uncast (`mixprec.levels.model.AmpHooks.passthrough`).
     """
 
-    def __init__(self, config: AmpConfig, device_type: str, *, outputs_fp32: bool = False):
+    def __init__(self, config: AmpConfig, device_type: str, *, outputs_fp32: bool = False,
+                 passthrough: Callable[[nn.Module], bool] | None = None):  # fmt: skip
         if not isinstance(config, AmpConfig):
             raise IntegrationError(
                 f"expected a mixprec.integrations.engine.AmpConfig, got {type(config).__name__}."
@@ -199,6 +204,7 @@ class AmpEngine:
         self.device_type = self.options.device_type
         self.scaler = self._make_scaler() if self.options.uses_scaler else None
         self._outputs_fp32 = outputs_fp32
+        self._passthrough = passthrough
         self._masters: dict[int, torch.Tensor] = {}  # id(param) -> its fp32 master (O2)
         self._modules: list[nn.Module] = []  # converted models
         # Their hooks, one list shared by every optimizer (`AmpOptimizer._hooks`): whether the
@@ -280,6 +286,7 @@ class AmpEngine:
         # O1: the policy's fp32 modules and healing's moves (the framework opens the region).
         own = amp_hooks(module)
         if own is not None:
+            own.passthrough = self._passthrough
             self._hooks.append(own)
         fp32 = own.fp32 if own is not None else keep_fp32.install(module, None, self.options)
         if fp32 is not None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import types
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
@@ -87,6 +88,23 @@ def _precision_name(engine: AmpEngine) -> str:
     return "32-true" if level == "O0" else f"{bits}-true" if level == "O3" else f"{bits}-mixed"
 
 
+def _routed_step(module: torch.nn.Module) -> bool:
+    """Whether this call of `module` runs a step Lightning routes through a wrapper's forward.
+
+    Under a wrapping strategy (DDP) Lightning calls ``training_step`` (``validation_step``, ...;
+    in Fabric also the methods marked with ``mark_forward_method``) through the wrapper, so
+    that the wrapper's forward logic runs: for the call, it sets the module's ``forward`` to a
+    closure, ``wrapped_forward``, which puts the real forward back and calls the step
+    (``_ForwardRedirection`` in the Trainer, ``_FabricModule._redirection_through_forward`` in
+    Fabric). That call's arguments are the step's (the batch, targets included) and its result
+    the step's: O2 casts neither, as on one process, where the step is called directly. The
+    forward calls inside the step (``self(x)``) find the real forward and are cast.
+    """
+    forward = module.__dict__.get("forward")
+    return (isinstance(forward, types.FunctionType) and forward.__name__ == "wrapped_forward"
+            and forward.__module__.startswith("lightning."))  # fmt: skip
+
+
 class _Common:
     """What the Trainer, Fabric and FSDP plugins share: the engine and its settings."""
 
@@ -94,7 +112,8 @@ class _Common:
 
     def _init(self, config: AmpConfig, device: str | None, *, outputs_fp32: bool = False) -> None:
         self.config = config
-        self.engine = AmpEngine(config, _device(device), outputs_fp32=outputs_fp32)
+        self.engine = AmpEngine(config, _device(device), outputs_fp32=outputs_fp32,
+                                passthrough=_routed_step)  # fmt: skip
         self.device = self.engine.device_type
         self.precision = _precision_name(self.engine)  # type: ignore[assignment]
 
@@ -410,7 +429,7 @@ class MixprecFSDPPrecision(MixprecPrecision, _FSDPPrecision):
             overrides.update(cast_model_type=None, master_weights=False,
                              keep_batchnorm_fp32=None)  # fmt: skip
             self.config = dataclasses.replace(self.config, options=overrides)
-            self.engine = AmpEngine(self.config, self.device)
+            self.engine = AmpEngine(self.config, self.device, passthrough=_routed_step)
         else:
             self._fsdp_param_dtype = self._fsdp_reduce_dtype = None
 

@@ -8,7 +8,9 @@ Everything is done with PyTorch's own extension points, never by replacing ``for
   (inputs up, outputs back down), so they work with every kernel and keep fp32 statistics;
 - the model gets a pre-hook (cast floating inputs at the entry; enter a ``mixprec.autocast``
   region for O1) and a post-hook that always runs, also when forward raises (cast outputs,
-  leave the region). Integer inputs such as token ids pass untouched.
+  leave the region). Integer inputs such as token ids pass untouched. A framework that calls
+  another method through the model's call (Lightning's ``training_step`` under DDP) sets
+  ``AmpHooks.passthrough``: such a call's arguments and result are not cast.
 
 The hooks are instances of `AmpHooks`; `amp_hooks(model)` finds them (to refuse initializing a
 model twice), and ``remove()`` takes them off.
@@ -17,7 +19,7 @@ model twice), and ``remove()`` takes them off.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -114,6 +116,13 @@ class AmpHooks:
         self._local = _Regions()  # per-thread stack of open regions (re-entrant calls)
         # The policy's fp32 modules and healing's moves (`mixprec.levels.keep_fp32`), at O1.
         self.fp32: Any = None
+        #: Set by a framework integration: ``passthrough(model)``, asked at the model's entry,
+        #: says the call does not run the model's forward but a method the framework routes
+        #: through the model's call (Lightning runs ``training_step`` as a DDP wrapper's
+        #: forward): its arguments (the batch, targets included) and its result are then not
+        #: the model's inputs and outputs, and are not cast. The model's own calls inside it
+        #: (``self(x)``) are cast as always.
+        self.passthrough: Callable[[nn.Module], bool] | None = None
         self._handles = [
             model.register_forward_pre_hook(self._enter, with_kwargs=True),
             model.register_forward_hook(self._leave, with_kwargs=True, always_call=True),
@@ -125,7 +134,11 @@ class AmpHooks:
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         ddp = _active_ddp()
         self.unsynced = ddp is not None and not ddp.require_backward_grad_sync
-        if self.input_dtype is not None:
+        if self.passthrough is not None and self.passthrough(module):
+            # Known at its exit by its kwargs, a dict of its own for every call. (One at a time:
+            # the framework's method calls the model itself, not another routed method.)
+            self._local.passed = kwargs
+        elif self.input_dtype is not None:
             args = cast_floats(args, self.input_dtype)
             kwargs = cast_floats(kwargs, self.input_dtype)
         if self.region is not None:
@@ -140,6 +153,9 @@ class AmpHooks:
             stack = self._local.stack
             if stack:
                 stack.pop().__exit__(None, None, None)
+        if self.passthrough is not None and self._local.passed is kwargs:
+            self._local.passed = None
+            return None
         if self.output_dtype is not None and output is not None:
             # To fp32 only widens: the cast undoes low precision; it never narrows fp64.
             return cast_floats(output, self.output_dtype, self.output_dtype == torch.float32)
@@ -171,10 +187,12 @@ def _active_ddp() -> Any:
 class _Regions(threading.local):
     """A per-thread stack of open regions, present from the first access in every thread: a
     stack created lazily would change what torch.compile's guards saw after the first call
-    (the O1 model's forward would be compiled twice)."""
+    (the O1 model's forward would be compiled twice). With it, the kwargs of the call let
+    through uncast (`AmpHooks.passthrough`) that has not returned yet."""
 
     def __init__(self) -> None:
         self.stack: list[Any] = []
+        self.passed: dict | None = None
 
     def __reduce__(self) -> tuple[type, tuple]:
         # A copy or pickle of the model (EMA/SWA's deepcopy, torch.save(model)) takes the
