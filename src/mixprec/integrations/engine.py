@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -62,6 +63,12 @@ from mixprec.scaling.scaler import GradScaler
 __all__ = ["FORMAT", "AmpConfig", "AmpEngine", "IntegrationError", "unwrap_optimizer"]
 
 FORMAT = "mixprec.AmpEngine/1"
+
+# Models converted by an engine: (what the conversion did, the engine's masters). A later engine
+# (a new Trainer's plugin for trainer.test after fit, a second fit) finds the model cast, with
+# its hooks on: it takes the same masters over instead of refusing the model.
+_CONVERTED: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[Any, ...], dict[int, torch.Tensor]]]
+_CONVERTED = weakref.WeakKeyDictionary()
 
 
 def _scaler_args() -> list[str]:
@@ -269,6 +276,8 @@ class AmpEngine:
             return module
         keep_fp32.check_models([module], self.options)  # before anything changes
         hooks = amp_hooks(module)
+        if hooks is not None and module in _CONVERTED:
+            return self._adopt(module, hooks)
         if hooks is not None:
             raise IntegrationError(
                 f"{type(module).__name__} was already prepared by mixprec.initialize; with a "
@@ -288,10 +297,50 @@ class AmpEngine:
         if own is not None:
             own.passthrough = self._passthrough
             self._hooks.append(own)
+            _CONVERTED[module] = (self._conversion(), self._masters)
         fp32 = own.fp32 if own is not None else keep_fp32.install(module, None, self.options)
         if fp32 is not None:
             self._fp32.append((module, fp32))
         return module
+
+    def _conversion(self) -> tuple[Any, ...]:
+        """What `convert_module` did to a model: what a later engine must agree with."""
+        o = self.options
+        return (o.level.value, o.dtype, o.cast_model_type, o.keep_batchnorm_fp32,
+                o.master_weights, self._outputs_fp32)  # fmt: skip
+
+    def _adopt(self, module: nn.Module, hooks: Any) -> nn.Module:
+        """Take over `module`, converted by another engine (an earlier Trainer's plugin): its
+        weights are cast already and its fp32 masters are that engine's, so they are shared,
+        not taken again from the cast weights (which would round them to the low dtype)."""
+        done, masters = _CONVERTED[module]
+        if done != self._conversion():
+            level, dtype = done[0], str(done[1]).replace("torch.", "")
+            raise IntegrationError(
+                f"{type(module).__name__} was converted to {level} ({dtype}) by another mixprec "
+                f"plugin (an earlier Trainer's or Fabric's): its weights are cast already. Use "
+                f"the same opt level and dtype for every run on this model, or build a fresh "
+                f"model (or load its fp32 checkpoint into one) for another setting."
+            )
+        for p in module.parameters():
+            if id(p) in masters:
+                self._masters[id(p)] = masters[id(p)]
+        hooks.passthrough = self._passthrough
+        self._hooks.append(hooks)
+        if hooks.fp32 is not None:
+            self._fp32.append((module, hooks.fp32))
+        self._modules.append(module)
+        _CONVERTED[module] = (done, self._masters)
+        return module
+
+    def forget_optimizers(self, keep: list[Any]) -> None:
+        """Drop the optimizers wrapped so far except `keep` (theirs or their wraps): the
+        framework replaced the others (Lightning builds new ones at every ``fit``), which, left
+        here, were still flagged at every backward and kept their state alive."""
+        ids = {id(unwrap_optimizer(opt)) for opt in keep}
+        self._sources = [(src, amp) for src, amp in self._sources
+                         if ids & {id(src), id(amp), id(amp.optimizer)}]  # fmt: skip
+        self.optimizers[:] = [amp for _, amp in self._sources]
 
     # ------------------------------------------------------------------ optimizers
 

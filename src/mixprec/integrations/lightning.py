@@ -221,6 +221,7 @@ class MixprecPrecision(_Common, _TrainerPrecision):
         torch optimizers. Their `AmpOptimizer`s stay with the plugin, whose ``optimizer_step``
         finds them; the scaler is saved as the plugin's state.
         """
+        self.engine.forget_optimizers(keep=optimizers)  # an earlier fit's
         amps = [self.engine.wrap_optimizer(opt) for opt in optimizers]
         by_id = {id(opt): amp for opt, amp in zip(optimizers, amps, strict=True)}
         for config in lr_schedulers:
@@ -305,7 +306,11 @@ def _hold_schedule(config: Any, by_id: dict[int, AmpOptimizer], engine: AmpEngin
         scaler = None
     if scaler is None and not rebind:
         return
-    config.scheduler = SkipAwareLR(sched, scaler, optimizer=amp)
+    # The torch optimizer that steps (O2: the masters'), not its AmpOptimizer: Lightning's
+    # LearningRateMonitor matches `scheduler.optimizer` against each of `trainer.optimizers`
+    # unwrapped (`.optimizer`), and logged the optimizer a second time ('lr-AdamW' beside the
+    # scheduler's 'lr') when they differed. The scaler finds the skip flag from either.
+    config.scheduler = SkipAwareLR(sched, scaler, optimizer=amp.optimizer)
 
 
 class MixprecFabricPrecision(_Common, _FabricPrecision):
