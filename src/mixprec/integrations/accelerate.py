@@ -50,6 +50,7 @@ require("accelerate", "hf", "mixprec.integrations.accelerate")
 
 import accelerate  # noqa: E402
 
+from mixprec.eager.autocast import autocast  # noqa: E402
 from mixprec.levels.optimizer import AmpOptimizer  # noqa: E402
 from mixprec.scaling.schedule import SkipAwareLR  # noqa: E402
 
@@ -267,8 +268,21 @@ class AmpAccelerator:
         torch.nn.utils.clip_grad_value_(self._main(parameters), clip_value)
 
     def autocast(self, autocast_handler: Any = None) -> Any:
-        """A ``mixprec.autocast`` region (O1), for code outside the model's forward."""
-        return self._engine.autocast()
+        """A ``mixprec.autocast`` region (O1), for code outside the model's forward.
+
+        `autocast_handler` (an ``accelerate.utils.AutocastKwargs``; default: the Accelerator's
+        own, from ``kwargs_handlers``) is honoured as Accelerate does: ``enabled=False`` opens a
+        disabled region, which is how Accelerate documents reverting a block to fp32 inside
+        the model's autocast, and ``cache_enabled`` is passed on. At O2/O3 there is no region
+        (the model is cast), so nothing changes."""
+        handler = autocast_handler
+        if handler is None:
+            handler = self._accelerator.autocast_handler
+        kwargs = handler.to_kwargs() if hasattr(handler, "to_kwargs") else dict(handler or {})
+        opts = self._engine.options
+        if not kwargs.get("enabled", True) and opts.patch_torch_functions:
+            return autocast(opts.device_type, enabled=False)
+        return self._engine.autocast(cache_enabled=kwargs.get("cache_enabled"))
 
     @property
     def optimizer_step_was_skipped(self) -> bool:
