@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 from suite import extract as ex
+from suite.args import list_error, usage_error
 from suite.core import Context, Goal, Part
 
 # pytest.mark.gpu as a decorator or an item of a mark list (pytestmark = [...]), not in a string
@@ -243,17 +244,24 @@ PARTS: list[Part] = [
 
 
 def select(parts: list[Part], only: str | None, prog: str = "gpu_suite") -> list[Part]:
-    """The parts named by --only: full names, or the letter before the first '-' (``d``)."""
-    if not only:
+    """The parts named by --only: full names, or the letter before the first '-' (``d``).
+
+    None: every part. A name that is no part's, an empty item (``h,,d``), an empty list or a
+    name given twice is a usage error (`UsageError`: exit status 2, the message on stderr).
+    """
+    if only is None:
         return sorted(parts, key=lambda p: p.priority)
-    wanted = [w.strip() for w in only.split(",") if w.strip()]
+    names = [p.name for p in parts]
+    letters = list(dict.fromkeys(p.name.split("-", 1)[0] for p in parts if "-" in p.name))
+    also = f" (or a letter: {', '.join(letters)})" if letters else ""
+    for w in (w.strip() for w in only.split(",")):
+        if w and w not in names and w not in letters:
+            usage_error(prog, f"--only {w!r} names no part. Valid: {', '.join(names)}{also}.")
+    wanted, error = list_error(only, [*names, *letters], "--only", shown=names, also=also)
+    if error:
+        usage_error(prog, error)
     chosen = []
     for w in wanted:
-        hits = [p for p in parts if p.name == w or p.name.split("-", 1)[0] == w]
-        if not hits:
-            letters = dict.fromkeys(p.name.split("-", 1)[0] for p in parts if "-" in p.name)
-            also = f" (or a letter: {', '.join(letters)})" if letters else ""
-            raise SystemExit(f"{prog}: error: --only {w!r} names no part. Valid: "
-                             f"{', '.join(p.name for p in parts)}{also}.")  # fmt: skip
-        chosen += [p for p in hits if p not in chosen]
+        chosen += [p for p in parts if (p.name == w or p.name.split("-", 1)[0] == w)
+                   and p not in chosen]  # fmt: skip
     return sorted(chosen, key=lambda p: p.priority)
