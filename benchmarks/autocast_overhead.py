@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import platform
 import statistics
 import sys
@@ -43,6 +44,9 @@ from torch.overrides import TorchFunctionMode
 
 import mixprec
 from mixprec.bench.report import cpu_name
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/: suite.args
+from suite.args import comma_list
 
 
 class _EmptyMode(TorchFunctionMode):
@@ -151,10 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available here")
     default = "dispatch-bound,gpu-bound" if torch.cuda.is_available() else "dispatch-bound"
-    names = [w.strip() for w in (args.workloads or default).split(",") if w.strip()]
-    bad = [w for w in names if w not in ("dispatch-bound", "gpu-bound")]
-    if bad:
-        parser.error(f"unknown workloads {bad}; valid: dispatch-bound, gpu-bound")
+    given = default if args.workloads is None else args.workloads
+    names = comma_list(parser, "--workloads", given, ("dispatch-bound", "gpu-bound"))
 
     results = []
     goals = {"dispatch-bound": 1.15, "gpu-bound": 1.02}

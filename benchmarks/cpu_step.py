@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -47,6 +48,9 @@ import mixprec
 from mixprec.bench.budget import measure_peak
 from mixprec.bench.models import GPT, GPTConfig, ResNet50, seed_mlp
 from mixprec.bench.report import cpu_name
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/: suite.args
+from suite.args import comma_list
 
 VARIANTS = ("fp32", "torch.amp", "torch.amp+compile", "torch.amp+compile+opt", "O1", "O2",
             "TrainStep O1", "TrainStep O2")  # fmt: skip
@@ -176,15 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype)
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     known = _workloads(args.smoke)
-    bad = [v for v in variants if v not in VARIANTS] + [w for w in workloads if w not in known]
-    if dtype is None or bad or args.rounds < 1:
-        parser.error(
-            f"unknown {bad or args.dtype!r}; variants: {', '.join(VARIANTS)}; "
-            f"workloads: {', '.join(known)}; --dtype bf16 or fp16; --rounds >= 1"
-        )
+    workloads = comma_list(parser, "--workloads", args.workloads, list(known))
+    variants = comma_list(parser, "--variants", args.variants, VARIANTS)
+    if dtype is None:
+        parser.error(f"--dtype {args.dtype!r}: unknown; valid: bf16, fp16")
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: give at least 1 (default: 7)")
     name = "bf16" if dtype == torch.bfloat16 else "fp16"
     rates = {n: measure_peak("cpu", n, 0.5 if args.smoke else 1.5) for n in ("fp32", name)}
     print(f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}: matmul "

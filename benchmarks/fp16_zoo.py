@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import statistics
 import sys
@@ -66,6 +67,9 @@ from torch import nn
 
 import mixprec
 from mixprec.bench.report import cpu_name
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/: suite.args
+from suite.args import comma_list
 
 FP16_MAX = 65504.0
 GPU = "table=cuda"  # torch.autocast's CUDA lists: what the same code does on a GPU
@@ -605,10 +609,11 @@ def main(argv: list[str] | None = None) -> None:
         help="loss and loss scale per model (default: %(default)s)",
     )
     args = parser.parse_args(argv)
+    models = comma_list(parser, "--models", args.models, list(ZOO))
     torch.set_num_threads(min(2, torch.get_num_threads()))
     runs = []
     started = time.perf_counter()
-    for name in args.models.split(","):
+    for name in models:
         zoo = ZOO[name]
         plan = [("fp16", 0), ("tuned", 0), ("heal", 0)]
         plan += [(v, s) for v in ("bf16", "fp32") for s in range(args.seeds)]
@@ -628,7 +633,7 @@ def main(argv: list[str] | None = None) -> None:
             "torch": torch.__version__, "mixprec": mixprec.__version__,
             "python": platform.python_version(), "threads": torch.get_num_threads(),
             "steps": args.steps, "wall_s": time.perf_counter() - started,
-            "models": {n: ZOO[n].what for n in args.models.split(",")}}  # fmt: skip
+            "models": {n: ZOO[n].what for n in models}}  # fmt: skip
     with open(args.json, "w") as fh:
         json.dump({"meta": meta, "summary": summary, "peers": peer_rows, "runs": runs}, fh,
                   indent=1)  # fmt: skip

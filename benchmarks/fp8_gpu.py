@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -58,6 +59,9 @@ from mixprec.bench.data import token_stream
 from mixprec.bench.models import GPT, GPTConfig
 from mixprec.bench.report import metadata
 from mixprec.fp8 import RECIPES, Fp8Linear, Fp8Recipe, fused
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/: suite.args
+from suite.args import comma_list
 
 GOAL_GEMM, GOAL_STEP = 1.3, 1.15
 MEDIUM = GPTConfig(n_layer=24, n_head=16, n_embd=1024)
@@ -358,13 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available()
                                                         else "cpu")  # fmt: skip
-    recipes = [r for r in args.recipes.split(",") if r]
-    for r in recipes:
-        Fp8Recipe.named(r)
-    parts = set(args.parts.split(","))
-    if parts - set(PARTS):
-        parser.error(f"--parts: unknown {', '.join(sorted(parts - set(PARTS)))}; valid: "
-                     f"{', '.join(PARTS)}")  # fmt: skip
+    # Recipe names are read case-insensitively (as Fp8Recipe.named does).
+    recipes = comma_list(parser, "--recipes", args.recipes.lower(), list(RECIPES))
+    parts = set(comma_list(parser, "--parts", args.parts, PARTS))
     if args.smoke:
         tiny = GPTConfig.tiny()
         configs = {"gpt2-small": tiny, "gpt2-medium": GPTConfig(512, 64, 2, 4, 128)}

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -41,6 +42,9 @@ from mixprec.bench.data import token_stream
 from mixprec.bench.models import GPT, GPTConfig, seed_mlp
 from mixprec.bench.report import metadata
 from mixprec.fp8 import RECIPES
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/: suite.args
+from suite.args import comma_list
 
 TAIL = 20  # steps averaged into a run's final loss
 
@@ -172,13 +176,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.smoke:
         args.steps, args.seeds = 20, 2
-    tasks = [t for t in args.tasks.split(",") if t]
-    bad = [t for t in tasks if t not in TASKS]
-    if bad:
-        parser.error(f"unknown task {bad[0]!r}; valid: {', '.join(TASKS)}")
-    modes = ["bf16"] + [f"fp8 {r}" for r in args.recipes.split(",") if r]
-    for mode in modes[1:]:
-        _recipe(mode.split()[-1])  # a bad name fails before any training
+    tasks = comma_list(parser, "--tasks", args.tasks, list(TASKS))
+    # Recipe names are read case-insensitively (as Fp8Recipe.named does).
+    recipes = comma_list(parser, "--recipes", args.recipes.lower(), [*RECIPES, *EXTRA])
+    modes = ["bf16"] + [f"fp8 {r}" for r in recipes]
     torch.set_num_threads(max(1, torch.get_num_threads()))
     records = []
     for task in tasks:

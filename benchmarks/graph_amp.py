@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import platform
 import statistics
 import sys
@@ -44,6 +45,12 @@ import mixprec
 from mixprec.bench.models import GPT, GPTConfig
 from mixprec.bench.report import cpu_name
 from mixprec.diagnostics.casts import CastCounter
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/: suite.args
+from suite.args import comma_list
+
+#: What --workloads names: the start of each workload's name in `_workloads`.
+WORKLOAD_NAMES = ("gpt2", "pingpong", "llama")
 
 
 def _workloads(device: str, smoke: bool) -> dict[str, tuple[Callable[[], Any], mixprec.Policy]]:
@@ -234,11 +241,15 @@ def main(argv: list[str] | None = None) -> int:
         default="inductor",
         help="the backend every variant compiles with (default inductor)",
     )
-    parser.add_argument("--workloads", help="comma-separated workload name prefixes "
-                        "(gpt2, pingpong, llama; default all)")  # fmt: skip
+    parser.add_argument("--workloads", help="comma-separated, from: "
+                        f"{', '.join(WORKLOAD_NAMES)} (llama where transformers imports; "
+                        "default: all)")  # fmt: skip
     parser.add_argument("--json", metavar="PATH", help="write the result as JSON")
     args = parser.parse_args(argv)
-    only = args.workloads.split(",") if args.workloads else None
+    # Each name is the start of a workload's ("gpt2" for "gpt2-like"); llama needs transformers.
+    only = None
+    if args.workloads is not None:
+        only = comma_list(parser, "--workloads", args.workloads, WORKLOAD_NAMES)
 
     def write(result: dict[str, Any]) -> None:
         if args.json:

@@ -57,6 +57,9 @@ from mixprec.bench.report import metadata
 from mixprec.bench.workloads import WORKLOADS, Workload, WorkloadSize
 from mixprec.levels.optimizer import constructor_defaults
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/: suite.args
+from suite.args import comma_list
+
 VARIANTS = (
     "fp32", "torch.amp fp16", "torch.amp bf16", "torch.amp+compile bf16", "manual fp16",
     "manual bf16", "O1 eager fp16", "O1 eager bf16", "TrainStep O1 fp16", "TrainStep O1 bf16",
@@ -318,11 +321,7 @@ def _isolated_variants(args: argparse.Namespace, device: str,
                        ap: argparse.ArgumentParser) -> set[str]:  # fmt: skip
     if args.isolate is None:
         return {v for v in VARIANTS if v.startswith("manual")} if device == "cuda" else set()
-    names = {v.strip() for v in args.isolate.split(",") if v.strip()}
-    bad = sorted(names - set(VARIANTS))
-    if bad:
-        ap.error(f"--isolate: unknown variants {bad}; valid: {', '.join(VARIANTS)}")
-    return names
+    return set(comma_list(ap, "--isolate", args.isolate, VARIANTS, none="none"))
 
 
 def _print_table(meta: dict[str, Any], rows: list[dict[str, Any]]) -> None:
@@ -393,14 +392,12 @@ def main(argv: list[str] | None = None) -> int:
         else args.device  # fmt: skip
     if device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: CUDA is not available here")
-    names = [v.strip() for v in args.variants.split(",") if v.strip()]
-    bad = [v for v in names if v not in VARIANTS]
-    if bad:
-        ap.error(f"unknown variants {bad}; valid: {', '.join(VARIANTS)}")
+    workloads = comma_list(ap, "--workloads", args.workloads, list(WORKLOADS))
+    names = comma_list(ap, "--variants", args.variants, VARIANTS)
     isolate = _isolated_variants(args, device, ap)
     lost = False  # this process's CUDA context is unusable: measure the rest elsewhere
     rows: list[dict[str, Any]] = []
-    for wname in args.workloads.split(","):
+    for wname in workloads:
         workload = WORKLOADS[wname]
         size = workload.size(args.full, device)
         if args.batch:

@@ -50,6 +50,9 @@ from torch import nn
 
 import mixprec
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/: suite.args
+from suite.args import comma_list
+
 VARIANTS = {
     "fp32": ("O0", {}),
     "O2": ("O2", {}),
@@ -538,14 +541,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.merge:
         return _merge(args.merge, args.json, args.table)
+    variants = comma_list(ap, "--variants", args.variants, list(VARIANTS))
+    tasks = comma_list(ap, "--tasks", args.tasks, TASKS, none="--speed only")
     torch.set_num_threads(args.threads)
     ao, why = _torchao()
-    variants = [v for v in args.variants.split(",") if v]
-    tasks = [t for t in args.tasks.split(",") if t]  # --tasks '': speed only
-    for kind, asked, valid in (("--variants", variants, VARIANTS), ("--tasks", tasks, TASKS)):
-        if set(asked) - set(valid):
-            ap.error(f"{kind}: unknown {', '.join(sorted(set(asked) - set(valid)))}; valid: "
-                     f"{', '.join(valid)}")  # fmt: skip
     if ao is None:
         variants = [v for v in variants if not v.startswith("torchao")]
     text = None

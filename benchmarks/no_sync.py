@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import traceback
@@ -47,6 +48,9 @@ from torch import nn
 
 import mixprec
 from mixprec.bench.report import cpu_name
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/: suite.args
+from suite.args import comma_list
 
 KINDS = (
     "sgd-momentum", "adam-foreach", "adam-foreach-capturable", "adamw-fused", "O2-initialize",
@@ -229,10 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         else args.device  # fmt: skip
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available here")
-    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-    bad = [k for k in kinds if k not in KINDS]
-    if bad:
-        parser.error(f"unknown kinds {bad}; valid: {', '.join(KINDS)}")
+    kinds = comma_list(parser, "--kinds", args.kinds, KINDS)
     width = args.width or (512 if device == "cuda" else 32)
     rows = []
     for kind in kinds:

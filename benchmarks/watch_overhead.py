@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import platform
 import statistics
 import sys
@@ -27,6 +28,9 @@ import torch
 import mixprec
 from mixprec.bench.report import cpu_name
 from mixprec.bench.workloads import WORKLOADS
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/: suite.args
+from suite.args import comma_list
 
 VARIANTS = ("no watch", "watch ops=False", "watch ops=True")
 
@@ -134,13 +138,14 @@ def main(argv: list[str] | None = None) -> int:
         "watch, every round's time) as JSON",
     )
     args = parser.parse_args(argv)
+    workloads = comma_list(parser, "--workloads", args.workloads, list(WORKLOADS))
     device = (
         ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     )
     steps = args.steps or (20 if device == "cuda" else 5)
     rows = []
-    for name in args.workloads.split(","):
-        rows += measure(name.strip(), device, args.rounds, steps)
+    for name in workloads:
+        rows += measure(name, device, args.rounds, steps)
         print(f"measured {name}", file=sys.stderr)
     where = torch.cuda.get_device_name() if device == "cuda" else cpu_name()
     print(f"{where} | torch {torch.__version__} | mixprec {mixprec.__version__}")
