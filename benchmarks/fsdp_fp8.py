@@ -216,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--recipe",
         default="tensorwise",
+        type=str.lower,
+        choices=list(RECIPES),
         help=f"FP8 recipe of the fp8 model and the reference, one of: {', '.join(RECIPES)}; "
         "rowwise weights are not all-gathered in FP8 (default: %(default)s)",
     )
