@@ -73,7 +73,9 @@ def test_version():
 
 def test_tiny_bench_writes_json_and_png(tmp_path):
     js, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    out = _run("bench", "mlp", "--steps", "1", "--warmup", "0",
+    # --budget none: on a loaded machine the default budget shrank the 16-bit rows and added an
+    # fp32 row at their size (a CI run under load failed on it); tests/test_bench.py covers that.
+    out = _run("bench", "mlp", "--steps", "1", "--warmup", "0", "--budget", "none",
                "--json", str(js), "--plot", str(png))  # fmt: skip
     assert out.returncode == 0, out.stderr
     rows = json.loads(js.read_text())
