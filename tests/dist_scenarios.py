@@ -22,6 +22,8 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import warnings
+from collections.abc import Iterator
 from typing import Any
 from unittest import mock
 
@@ -72,6 +74,33 @@ def full(t: torch.Tensor) -> torch.Tensor:
 def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     """Equal lists of tensors, bit for bit."""
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@contextlib.contextmanager
+def environment(env: dict[str, str], restore: tuple[str, ...] = ()) -> Iterator[None]:
+    """`env` in ``os.environ`` for the block (warnings silenced), then every variable it named,
+    and those in `restore` (which the block may set), as they were: a pooled process runs
+    scenario after scenario."""
+    saved = {k: os.environ.get(k) for k in (*env, *restore)}
+    os.environ.update(env)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def launched(rank: int, world: int) -> contextlib.AbstractContextManager[None]:
+    """The environment ``torchrun`` / ``accelerate launch`` / Lightning's launcher give the
+    process of rank `rank` (the pool already joined the gloo group, which they all reuse)."""
+    return environment({"LOCAL_RANK": str(rank), "RANK": str(rank), "NODE_RANK": "0",
+                        "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+                        "OMP_NUM_THREADS": "1"})  # fmt: skip
 
 
 def params_of(model: nn.Module) -> list[torch.Tensor]:

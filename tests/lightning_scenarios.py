@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -28,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
+from tests.dist_scenarios import environment
 
 STEPS = 6  # optimizer steps of the full run
 ROWS = 8  # rows of the data set: one batch of 4 per rank and epoch (see fsdp2_resume)
@@ -53,21 +53,9 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t.clone()
 
 
-@contextlib.contextmanager
-def as_launched(rank: int) -> Iterator[None]:
+def as_launched(rank: int) -> contextlib.AbstractContextManager[None]:
     """The environment Lightning's launcher gives the process of local rank `rank`."""
-    saved = {k: os.environ.get(k) for k in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")}
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return environment({"LOCAL_RANK": str(rank), "NODE_RANK": "0"}, restore=("WORLD_SIZE",))
 
 
 def scales(level: str, dtype: str) -> bool:

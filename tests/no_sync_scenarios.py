@@ -17,9 +17,6 @@ the ranks' means of equal-sized micro-batch means is the global batch's mean).
 from __future__ import annotations
 
 import contextlib
-import os
-import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -27,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from tests.dist_scenarios import same
+from tests.dist_scenarios import launched, same
 
 __all__ = ["same"]  # (for the tests)
 
@@ -114,26 +111,6 @@ def by_hand(rank: int, world: int, level: str, dtype: str, inject: bool = True) 
 # ----------------------------------------------------------------------------- Accelerate
 
 
-@contextlib.contextmanager
-def _as_launched(rank: int, world: int) -> Iterator[None]:
-    """The environment ``torchrun`` / ``accelerate launch`` / Lightning's launcher give the
-    process of rank `rank` (the pool already joined the gloo group, which they all reuse)."""
-    env = {"LOCAL_RANK": str(rank), "RANK": str(rank), "NODE_RANK": "0", "WORLD_SIZE": str(world),
-           "LOCAL_WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"}  # fmt: skip
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def accelerate_run(rank: int, world: int, level: str, dtype: str) -> dict[str, Any]:
     """`AmpAccelerator` on Accelerate's MULTI_CPU (DDP), ``accelerator.accumulate(model)``."""
     from accelerate import Accelerator
@@ -141,7 +118,7 @@ def accelerate_run(rank: int, world: int, level: str, dtype: str) -> dict[str, A
 
     from mixprec.integrations.accelerate import AmpAccelerator
 
-    with _as_launched(rank, world):
+    with launched(rank, world):
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
         try:
@@ -212,7 +189,7 @@ def lightning_run(rank: int, world: int, level: str, dtype: str) -> dict[str, An
 
     from mixprec.integrations.lightning import MixprecPrecision
 
-    with _as_launched(rank, world):
+    with launched(rank, world):
         module = _module(level, dtype)
         plugin = MixprecPrecision(level, dtype, device="cpu")
         trainer = L.Trainer(max_steps=STEPS, accelerator="cpu", devices=world, strategy="ddp",
@@ -233,7 +210,7 @@ def fabric_run(rank: int, world: int, level: str, dtype: str) -> dict[str, Any]:
 
     from mixprec.integrations.lightning import MixprecFabricPrecision
 
-    with _as_launched(rank, world):
+    with launched(rank, world):
         precision = MixprecFabricPrecision(level, dtype, device="cpu")
         fabric = L.Fabric(accelerator="cpu", devices=world, strategy="ddp", plugins=[precision])
         fabric.launch()
@@ -307,5 +284,5 @@ def trainer_fit(rank: int, world: int, level: str, dtype: str, out: str) -> dict
 
 def trainer_run(rank: int, world: int, level: str, dtype: str, out: str) -> dict[str, Any]:
     """`trainer_fit` on rank `rank` of the pool (Accelerate's MULTI_CPU)."""
-    with _as_launched(rank, world):
+    with launched(rank, world):
         return trainer_fit(rank, world, level, dtype, out)

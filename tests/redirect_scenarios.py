@@ -17,14 +17,13 @@ The targets ``1 + k * 2**-12`` (k odd) are representable in neither bf16 nor fp1
 from __future__ import annotations
 
 import contextlib
-import os
-import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tests.dist_scenarios import environment, launched
 
 ROWS = 4
 
@@ -86,25 +85,10 @@ def _module() -> Any:
     return Module()
 
 
-@contextlib.contextmanager
-def _as_launched(rank: int, world: int) -> Iterator[None]:
-    """The environment Lightning's launcher gives the process of rank `rank` (the pool already
-    joined the gloo group, which Lightning reuses)."""
-    env = {"LOCAL_RANK": str(rank), "RANK": str(rank), "NODE_RANK": "0", "WORLD_SIZE": str(world),
-           "LOCAL_WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"}  # fmt: skip
-    saved = {k: os.environ.get(k) for k in env}
-    if world > 1:
-        os.environ.update(env)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+def _as_launched(rank: int, world: int) -> contextlib.AbstractContextManager[None]:
+    """Lightning's launcher's environment for rank `rank` on several ranks (the pool already
+    joined the gloo group, which Lightning reuses); one process keeps its own."""
+    return launched(rank, world) if world > 1 else environment({})
 
 
 def trainer_run(rank: int, world: int, dtype: str) -> dict[str, Any]:
