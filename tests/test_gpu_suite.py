@@ -246,6 +246,23 @@ def _alive(pid: int) -> bool:
         return True
 
 
+def _process_facts(pid: int) -> str:
+    """What /proc says of `pid`: its state, parent, group and signal masks, and its command (a
+    fresh-clone CI run once found the hanging part's child alive after the group kill; these
+    say whether it ignored or blocked SIGTERM, or was started after the kill)."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            keep = ("State", "PPid", "SigBlk", "SigIgn", "SigCgt", "SigPnd", "ShdPnd")
+            lines = [ln.strip() for ln in fh if ln.split(":")[0] in keep]
+        with open(f"/proc/{pid}/stat") as fh:
+            lines.append("pgrp " + fh.read().rsplit(")", 1)[1].split()[2])
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            lines.append("cmdline " + fh.read().replace(b"\0", b" ").decode(errors="replace"))
+    except OSError as err:
+        lines = [f"/proc/{pid}: {err}"]
+    return "\n".join(lines)
+
+
 def test_failures_are_recorded_and_the_next_part_still_runs(tmp_path, launcher):
     pidfile = tmp_path / "grandchild.pid"
     hang = ("import subprocess, sys, time\n"
@@ -285,7 +302,8 @@ def test_failures_are_recorded_and_the_next_part_still_runs(tmp_path, launcher):
     deadline = time.monotonic() + 10
     while _alive(grandchild) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(grandchild), "the hanging part's child outlived its timeout"
+    assert not _alive(grandchild), ("the hanging part's child outlived its timeout:\n"
+                                    + _process_facts(grandchild))  # fmt: skip
     assert by["x-unreadable"]["status"] == "failed"
     assert "could not be read: FileNotFoundError" in by["x-unreadable"]["reason"]
     missing = by["x-missing"]
