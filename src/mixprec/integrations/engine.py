@@ -446,18 +446,15 @@ class AmpEngine:
             for amp in self.optimizers:
                 amp.optimizer.zero_grad(set_to_none=True)
         for amp in self.optimizers:
-            if amp._stepped and self.options.master_weights and not self.sharded:
-                # A step ran since the optimizer's zero_grad, and the framework cleared only
-                # the model's gradients (Transformers' model.zero_grad()): the masters' are
-                # that step's. Drop them here, as scale_loss does; left to step(), which drops
-                # them when it finds no zero_grad since the last step, they took this
-                # iteration's along (every step after the first stepped no cast weight).
-                amp._stepped = False
-                for master in amp._masters:
-                    master.grad = None
             amp._scaling.scaled = True  # the loss of this iteration is scaled (by us)
-            if not amp._held:  # (held: under no_sync(), they stay for DDP to reduce)
-                amp._after_backward()  # (O2) an earlier micro-batch's gradients: add up in fp32
+            if self.options.master_weights and not self.sharded:
+                # As scale_loss: the first backward after a step drops the masters' gradients
+                # of that step (the framework may clear only the model's: Transformers'
+                # model.zero_grad()); a later one adds an earlier micro-batch's into them in
+                # fp32, except under no_sync(), where they stay for DDP to reduce.
+                amp._start_backward()
+            elif not amp._held:
+                amp._after_backward()
         return loss if self.scaler is None else self.scaler.scale(loss)
 
     def after_backward(self) -> None:
