@@ -42,7 +42,7 @@ def no_host_reads() -> Iterator[None]:
         yield
 
 
-__all__ = ["CastCounter", "dtypes_of", "no_host_reads", "scaled_dot"]
+__all__ = ["CastCounter", "dtypes_of", "no_host_reads", "reset_accelerate", "scaled_dot"]
 
 
 # The integration tests' tiny regression task (Lightning, Accelerate, the Transformers Trainer):
@@ -67,3 +67,11 @@ def uncompiled_step(*args: Any, **kwargs: Any) -> mixprec.TrainStep:
     a CPU, where TrainStep compiles the whole step by default."""
     kwargs.setdefault("compile", False)
     return mixprec.TrainStep(*args, **kwargs)
+
+
+def reset_accelerate() -> None:
+    """Forget Accelerate's process-wide state: another ``mixed_precision`` needs a fresh one."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()

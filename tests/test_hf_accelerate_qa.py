@@ -1,7 +1,7 @@
 """Probes of the Accelerate and Transformers integrations as their users drive them, each against
 the framework's own mixed precision (or fp32): Accelerate's documented ways of leaving the
-autocast region, saving an O2 model for ``from_pretrained``, and a Trainer retrained by
-``model_init`` (hyperparameter search)."""
+autocast region, saving an O2 model for ``from_pretrained``, and a Trainer at O2 resumed from a
+checkpoint or with gradient checkpointing."""
 
 from __future__ import annotations
 
@@ -14,22 +14,16 @@ transformers = pytest.importorskip("transformers")
 from accelerate.utils import AutocastKwargs  # noqa: E402
 
 from mixprec.integrations.accelerate import AmpAccelerator  # noqa: E402
+from tests.helpers import reset_accelerate  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
 
-def _reset_accelerate() -> None:
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
 @pytest.fixture(autouse=True)
 def _fresh_accelerate_state():
-    _reset_accelerate()
+    reset_accelerate()
     yield
-    _reset_accelerate()
+    reset_accelerate()
 
 
 class _Fp32Block(torch.nn.Module):
@@ -58,7 +52,7 @@ def test_accelerate_autocast_handler_disables_the_region_as_accelerate_does():
     """``accelerator.autocast(AutocastKwargs(enabled=False))`` was ignored: the block ran in
     bf16 (2.6e-3 from fp32 on outputs of about 1) where Accelerate's own bf16 runs it in fp32."""
     h, out = _fp32_block(AmpAccelerator(accelerate.Accelerator(cpu=True), "O1", "bf16"))
-    _reset_accelerate()
+    reset_accelerate()
     ref_h, ref_out = _fp32_block(accelerate.Accelerator(cpu=True, mixed_precision="bf16"))
     assert h.dtype == ref_h.dtype == torch.float32  # the model's outputs, cast back to fp32
     assert out.dtype == ref_out.dtype == torch.float32
@@ -106,7 +100,7 @@ def test_trainer_o2_resumed_from_a_checkpoint_equals_the_uninterrupted_run(tmp_p
     bit for bit; the tied GPT-2 embedding stays one parameter with one master."""
     full = _trainer(tmp_path, save_strategy="steps", save_steps=2)  # saving changes nothing
     full.train()
-    _reset_accelerate()
+    reset_accelerate()
     resumed = _trainer(tmp_path)
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     logs = [[h["loss"] for h in t.state.log_history if "loss" in h] for t in (full, resumed)]
@@ -129,7 +123,7 @@ def test_trainer_o2_gradient_checkpointing_changes_nothing(tmp_path):
     """Activation checkpointing recomputes the blocks in backward: the same bits as without."""
     plain = _trainer(tmp_path / "a")
     plain.train()
-    _reset_accelerate()
+    reset_accelerate()
     ckpt = _trainer(tmp_path / "b", gradient_checkpointing=True)
     ckpt.train()
     for a, b in zip(plain.model.parameters(), ckpt.model.parameters(), strict=True):

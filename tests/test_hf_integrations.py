@@ -23,24 +23,16 @@ transformers = pytest.importorskip("transformers")
 from mixprec.integrations.accelerate import AmpAccelerator  # noqa: E402
 from mixprec.integrations.engine import AmpConfig, IntegrationError  # noqa: E402
 from mixprec.integrations.transformers import AmpMetricsCallback, AmpTrainer  # noqa: E402
-from tests.helpers import INF, SCALER, STEPS, X, Y, tiny_net  # noqa: E402
+from tests.helpers import INF, SCALER, STEPS, X, Y, reset_accelerate, tiny_net  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
 
-def _reset_accelerate() -> None:
-    # Accelerate keeps one process-wide state; another mixed_precision needs a fresh one.
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
 @pytest.fixture(autouse=True)
 def _fresh_accelerate_state():
-    _reset_accelerate()
+    reset_accelerate()
     yield
-    _reset_accelerate()
+    reset_accelerate()
 
 
 def _parts():
@@ -167,7 +159,7 @@ def test_accelerate_fp16_equals_torch_amp_as_accelerate_runs_it_on_a_gpu():
 
 def test_accelerate_bf16_equals_accelerates_own_bf16():
     ours = _accelerate_run(AmpAccelerator(accelerate.Accelerator(cpu=True), "O1", "bf16"))
-    _reset_accelerate()
+    reset_accelerate()
     stock = accelerate.Accelerator(cpu=True, mixed_precision="bf16")
     theirs = _accelerate_run(stock)
     assert ours[0] == theirs[0]
@@ -193,7 +185,7 @@ def test_accelerate_precision_set_earlier_in_the_process_is_explained(monkeypatc
     assert "one state per process" in message and "first Accelerator of a fresh process" in message
     with pytest.raises(IntegrationError, match="created here without mixed_precision inherited"):
         AmpAccelerator()  # the Accelerator it creates itself was given nothing for sure
-    _reset_accelerate()
+    reset_accelerate()
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")  # as accelerate launch sets it
     with pytest.raises(IntegrationError, match="ACCELERATE_MIXED_PRECISION='fp16' is set"):
         AmpAccelerator(accelerate.Accelerator(cpu=True))
@@ -242,7 +234,7 @@ def test_trainer_bf16_equals_the_trainers_own_bf16(tmp_path):
         theirs = transformers.Trainer(model=_gpt2(), args=_args(tmp_path / "a", bf16=True),
                                       train_dataset=_Tokens())  # fmt: skip
         theirs.train()
-        _reset_accelerate()
+        reset_accelerate()
         ours = AmpTrainer(model=_gpt2(), args=_args(tmp_path / "b"), train_dataset=_Tokens(),
                           amp=AmpConfig("O1", "bf16"))  # fmt: skip
         ours.train()
