@@ -22,7 +22,7 @@ bit for bit, and the skip and equal ranks are checked as on the GPU (the GPU sui
 Usage (spawns one process per GPU; ``--nproc 1`` is enough, a world of one still runs NCCL)::
 
     PYTHONPATH=src python benchmarks/ddp_trainstep.py [--nproc N] [--steps 40] [--width 1024]
-        [--device cuda|cpu] [--json PATH]
+        [--device cuda|cpu] [--start-method forkserver|fork] [--json PATH]
 """
 
 from __future__ import annotations
@@ -234,6 +234,12 @@ def main(argv: list[str] | None = None) -> None:
                         default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cuda (NCCL, captured; the default with a GPU) or cpu (gloo, "
                         "eager, toy sizes)")  # fmt: skip
+    parser.add_argument("--start-method", choices=("forkserver", "fork"), default="forkserver",
+                        help="how the ranks start: forked from a server that imports this "
+                        "script (the default); or fork, straight from this process, which has "
+                        "torch and mixprec imported already: CPU only (a CUDA context does "
+                        "not survive a fork), saves the server's imports (the GPU suite's "
+                        "smoke run)")  # fmt: skip
     parser.add_argument(
         "--json",
         metavar="PATH",
@@ -243,6 +249,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a GPU; use --device cpu for the eager gloo run")
+    if args.start_method == "fork" and args.device == "cuda":
+        parser.error("--start-method fork is for --device cpu (CUDA does not survive a fork)")
     if args.steps <= INF_STEP + 2:
         parser.error(f"--steps must be > {INF_STEP + 2} (the inf is injected at {INF_STEP})")
     nproc = args.nproc or (torch.cuda.device_count() if args.device == "cuda" else 2)
@@ -253,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
     # it) once: spawn started each rank as a fresh interpreter that imported them again. The
     # server makes no CUDA context, so each rank starts as clean as a spawned one.
     torch.multiprocessing.start_processes(_worker, args=(nproc, port, args), nprocs=nproc,
-                                          start_method="forkserver")  # fmt: skip
+                                          start_method=args.start_method)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ Linear(4w, w), each block an FSDP2 unit.
 Usage (CPU, 2 gloo ranks spawned here; or under torchrun, which sets the ranks)::
 
     PYTHONPATH=src python benchmarks/fsdp_memory.py [--nproc 2] [--width 256] [--depth 4]
-        [--device cpu|cuda] [--json PATH]
+        [--device cpu|cuda] [--start-method forkserver|fork] [--json PATH]
 
 On a GPU machine: ``--device cuda --nproc <GPUs>`` (one GPU is enough: ``--nproc 1``).
 """
@@ -204,8 +204,16 @@ def main(argv: list[str] | None = None) -> None:
         help="cpu (gloo ranks) or cuda (NCCL, one GPU per rank; adds each step's peak "
         "allocated memory) (default: %(default)s)",
     )
+    parser.add_argument("--start-method", choices=("forkserver", "fork"), default="forkserver",
+                        help="how the ranks start: forked from a server that imports this "
+                        "script (the default); or fork, straight from this process, which has "
+                        "torch and mixprec imported already: CPU only (a CUDA context does "
+                        "not survive a fork), saves the server's imports (the GPU suite's "
+                        "smoke run)")  # fmt: skip
     parser.add_argument("--json", metavar="PATH", help="write one record per rank and config")
     args = parser.parse_args(argv)
+    if args.start_method == "fork" and args.device == "cuda":
+        parser.error("--start-method fork is for --device cpu (CUDA does not survive a fork)")
     if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
         _run(args)
         return
@@ -216,7 +224,8 @@ def main(argv: list[str] | None = None) -> None:
     # it) once: spawn started each rank as a fresh interpreter that imported them again. The
     # server makes no CUDA context, so each rank starts as clean as a spawned one.
     torch.multiprocessing.start_processes(_worker, args=(args.nproc, port, args),
-                                          nprocs=args.nproc, start_method="forkserver")  # fmt: skip
+                                          nprocs=args.nproc,
+                                          start_method=args.start_method)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -254,11 +254,29 @@ def _temp(prefix: str, temps: list[str]) -> str:
     return path
 
 
+def _launcher(args: argparse.Namespace, env: dict[str, str],
+              work_dir: str) -> tuple[Any, str]:  # fmt: skip
+    """The preloading server the parts (and the probe) fork from, or None (fresh processes),
+    with how parts start, in words."""
+    from suite.launch import Preloaded
+
+    fresh = "a fresh interpreter per part"
+    if args.fresh_processes:
+        return None, fresh
+    try:
+        launcher = Preloaded(env)
+        broken = launcher.works(work_dir)
+    except (OSError, ValueError) as err:
+        broken = f"the preloading server did not start: {err}"
+    if broken:  # parts start fresh, as with --fresh-processes
+        return None, f"{fresh} ({broken})"
+    return launcher, launcher.description
+
+
 def _run(args: argparse.Namespace, parts: list[Part], argv: list[str] | None,
          temps: list[str]) -> int:  # fmt: skip
     """One call: prepare the parts' environment, run the parts, write the outputs."""
     from suite.env import git_commit, install_wheels, part_env, probe
-    from suite.launch import Preloaded
 
     t0 = time.monotonic()
     os.makedirs(args.out, exist_ok=True)
@@ -272,7 +290,10 @@ def _run(args: argparse.Namespace, parts: list[Part], argv: list[str] | None,
     wheel_dir = args.wheels or (default_wheels if os.path.isdir(default_wheels) else None)
     wheels, paths, wheel_note = install_wheels(wheel_dir, _temp("gpu_site_", temps))
     env = part_env(ROOT, paths, args.smoke)
-    info = probe(env, sorted({m for p in parts for m in p.requires}), ROOT)
+    # The probe forks from the parts' server where it can: a fresh one imports torch again.
+    launch_dir = os.path.join(work_root, "launcher")
+    launcher, how = _launcher(args, env, launch_dir)
+    info = probe(env, sorted({m for p in parts for m in p.requires}), ROOT, launcher, launch_dir)
     device = "cuda" if info.get("cuda_available") else "cpu"
     meta = {"mode": "smoke" if args.smoke else "full", "device": device,
             "device_name": info.get("device_name", "unknown"), "torch": info.get("torch"),
@@ -282,7 +303,7 @@ def _run(args: argparse.Namespace, parts: list[Part], argv: list[str] | None,
     call = {**meta, "command": shlex.join(["python", "benchmarks/gpu_suite.py",
                                            *(argv if argv is not None else sys.argv[1:])]),
             "started": now(), "ended": None, "duration_s": 0.0, "budget_min": args.budget_min,
-            "wheels": wheels, "wheels_note": wheel_note,
+            "wheels": wheels, "wheels_note": wheel_note, "launcher": how,
             "modules": info.get("modules", {}), "parts_run": []}  # fmt: skip
     doc: dict[str, Any] = {"format": FORMAT, "calls": [call], "parts": {}}
     fatal = info.get("probe_error") or info.get("torch_error") or info.get("mixprec_error")
@@ -313,19 +334,6 @@ def _run(args: argparse.Namespace, parts: list[Part], argv: list[str] | None,
     def make_ctx(part: Part) -> Context:
         return Context(args.smoke, device, os.path.join(work_root, part.name), ROOT)
 
-    launcher = None
-    call["launcher"] = "a fresh interpreter per part"
-    if not args.fresh_processes:
-        try:
-            launcher = Preloaded(env)
-            broken = launcher.works(os.path.join(work_root, "launcher"))
-        except (OSError, ValueError) as err:
-            broken = f"the preloading server did not start: {err}"
-        if broken:  # parts start fresh, as with --fresh-processes
-            launcher = None
-            call["launcher"] += f" ({broken})"
-        else:
-            call["launcher"] = launcher.description
     install_signal_handlers()  # from here on, a SIGTERM still writes what is finished
     try:
         run_parts(parts, make_ctx=make_ctx, env=env, budget_s=args.budget_min * 60,

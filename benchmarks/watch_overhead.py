@@ -9,7 +9,8 @@ and the ratio to the unwatched step. On CUDA the watched steps also run under
 
 Usage::
 
-    python benchmarks/watch_overhead.py [--device auto|cpu|cuda] [--rounds 5] [--json PATH]
+    python benchmarks/watch_overhead.py [--device auto|cpu|cuda] [--rounds 5] [--batch N]
+        [--json PATH]
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 
 import mixprec
 from mixprec.bench.report import cpu_name
-from mixprec.bench.workloads import WORKLOADS
+from mixprec.bench.workloads import WORKLOADS, WorkloadSize
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/: suite.args
 from suite.args import comma_list
@@ -40,9 +41,12 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _step_fn(name: str, device: str):
+def _step_fn(name: str, device: str, batch: int | None = None):
     workload = WORKLOADS[name]
     size = workload.size(False, device)
+    if batch:
+        size = WorkloadSize(f"{size.description}; batch set to {batch}", size.steps,
+                            size.warmup, {**size.params, "batch": batch})  # fmt: skip
     model, batch = workload.build(size.params, device)
     opt = workload.optimizer(model, device)
     dtype = torch.float16 if device == "cuda" else torch.bfloat16
@@ -80,8 +84,9 @@ class _SyncGuard:
         torch.cuda.set_sync_debug_mode(0)
 
 
-def measure(name: str, device: str, rounds: int, steps: int) -> list[dict]:
-    model, step, size = _step_fn(name, device)
+def measure(name: str, device: str, rounds: int, steps: int,
+            batch: int | None = None) -> list[dict]:  # fmt: skip
+    model, step, size = _step_fn(name, device, batch)
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for variant in VARIANTS:  # warm-up (allocator, first-use casts, the watch's mask)
         with _watch(variant, model):
@@ -132,6 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--steps", type=int, default=None, help="steps per round (5 CPU, 20 GPU)")
     parser.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="batch size instead of the workload's (toy sizes for smoke runs)",
+    )
+    parser.add_argument(
         "--json",
         metavar="PATH",
         help="write the metadata and one row per workload and variant (ms/step, ratio to no "
@@ -145,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps or (20 if device == "cuda" else 5)
     rows = []
     for name in workloads:
-        rows += measure(name, device, args.rounds, steps)
+        rows += measure(name, device, args.rounds, steps, args.batch)
         print(f"measured {name}", file=sys.stderr)
     where = torch.cuda.get_device_name() if device == "cuda" else cpu_name()
     print(f"{where} | torch {torch.__version__} | mixprec {mixprec.__version__}")

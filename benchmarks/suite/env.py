@@ -6,7 +6,8 @@
   GPU machine) and one CPU thread per part unless ``OMP_NUM_THREADS`` says otherwise.
 - `probe`: one subprocess in that environment reports the device, torch/CUDA/Python versions
   and which of the parts' required modules import (and, if not, which module is missing), so
-  the parent never touches CUDA itself.
+  the parent never touches CUDA itself; forked from the parts' preloading server when there
+  is one (`suite.launch.Preloaded`), which spares it importing torch and mixprec again.
 - `git_commit`: ``git rev-parse HEAD`` (+ ``-dirty``), else ``.git`` read by hand, else
   "unknown" (the device gets a copy of the working tree, often without ``.git``).
 - `install_wheels`: the device has no package index; wheels carried in a folder are installed
@@ -80,17 +81,40 @@ def part_env(root: str, extra_paths: Sequence[str], smoke: bool) -> dict[str, st
     return env
 
 
-def probe(env: dict[str, str], modules: Sequence[str], cwd: str) -> dict[str, Any]:
-    """Device, versions and module availability, as the parts will see them."""
-    try:
-        out = subprocess.run([sys.executable, "-c", _PROBE, *modules], env=env, cwd=cwd,
-                             capture_output=True, text=True, timeout=300)  # fmt: skip
-    except subprocess.TimeoutExpired:
-        return {"probe_error": "the probe did not answer within 300 s", "modules": {}}
-    for line in reversed(out.stdout.splitlines()):
+def probe(env: dict[str, str], modules: Sequence[str], cwd: str, launcher: Any = None,
+          work_dir: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """Device, versions and module availability, as the parts will see them.
+
+    With `launcher` (a `Preloaded` whose canary passed) the probe is a script in `work_dir`,
+    forked like a part, its output in ``probe.log`` there; else a fresh interpreter.
+    """
+    timeout = 300
+    if launcher is None:
+        try:
+            out = subprocess.run([sys.executable, "-c", _PROBE, *modules], env=env, cwd=cwd,
+                                 capture_output=True, text=True, timeout=timeout)  # fmt: skip
+            text = out.stdout + ("\n" + out.stderr if out.stderr else "")
+        except subprocess.TimeoutExpired:
+            text = None
+    else:
+        assert work_dir is not None, "a forked probe writes its script and log in work_dir"
+        os.makedirs(work_dir, exist_ok=True)
+        script, log = os.path.join(work_dir, "probe.py"), os.path.join(work_dir, "probe.log")
+        with open(script, "w") as fh:
+            fh.write(_PROBE)
+        _, timed_out = launcher.run([sys.executable, script, *modules], cwd=cwd, log_path=log,
+                                    timeout=timeout)  # fmt: skip
+        try:
+            with open(log, errors="replace") as fh:
+                text = None if timed_out else fh.read()
+        except OSError as err:  # the child ended before it opened its log
+            text = f"the forked probe wrote no log: {err}"
+    if text is None:
+        return {"probe_error": f"the probe did not answer within {timeout} s", "modules": {}}
+    for line in reversed(text.splitlines()):
         if line.startswith("PROBE "):
             return json.loads(line[len("PROBE ") :])
-    return {"probe_error": (out.stderr or out.stdout)[-2000:], "modules": {}}
+    return {"probe_error": text[-2000:], "modules": {}}
 
 
 def _git(root: str, *args: str) -> str | None:

@@ -36,12 +36,15 @@ def _pytest(ctx: Context, xml: str, *args: str) -> list[str]:
 # Smoke runs of ResNet-50 run fp32 and TrainStep only: every variant runs in the MLP and GPT-2
 # smoke runs, compiled ones included (even the eager backend traces the whole network for
 # seconds on a CPU), and ResNet-50's own risk is its model under the step (bf16 convolutions
-# take seconds per step on a CPU without bf16 units: each further row cost about 5 s).
+# take seconds per step on a CPU without bf16 units: each further row cost about 5 s). For the
+# same reason each row runs one step, no warm-up: the step after it (optimizer state in place)
+# runs in the MLP and GPT-2 rows.
 _RESNET_SMOKE = "fp32,TrainStep O1 fp16,TrainStep O1 bf16"
 
 
 def _graph_part(workload: str, priority: int, estimate: float, timeout: float,
-                goals: tuple[Goal, ...], smoke_variants: str | None = None) -> Part:  # fmt: skip
+                goals: tuple[Goal, ...], smoke_variants: str | None = None,
+                smoke_warmup: int = 1) -> Part:  # fmt: skip
     name = f"d-{workload}"
     sizes = {"mlp": "seed MLP 3x4096, b512", "resnet50": "ResNet-50 32x32, b128",
              "gpt2": "GPT-2 small b8 T1024"}  # fmt: skip
@@ -51,7 +54,7 @@ def _graph_part(workload: str, priority: int, estimate: float, timeout: float,
         "torch.amp+compile, O1 eager, TrainStep)",
         command=lambda ctx: [ctx.python, "benchmarks/graph_step.py", "--workloads", workload,
                              "--json", ctx.path(f"{name}.json")]
-        + (["--warmup", "1", "--steps", "1", "--rounds", "1", "--batch", "2",
+        + (["--warmup", str(smoke_warmup), "--steps", "1", "--rounds", "1", "--batch", "2",
             "--compile-backend", "eager",
             *(["--variants", smoke_variants] if smoke_variants else [])] if ctx.smoke else []),
         extract=lambda ctx, log: ex.extract_graph_step(ctx, log, name),
@@ -68,8 +71,12 @@ PARTS: list[Part] = [
     Part(
         name="a-cuda-tests", priority=10, estimate_s=110, timeout_s=420,
         title="every CUDA test (pytest -m gpu; the autocast lists are part b)",
+        # Smoke: every test skips without CUDA, so rewriting their asserts (no pyc cache under
+        # PYTHONDONTWRITEBYTECODE) would only cost time; the selection is what it checks.
         command=lambda ctx: _pytest(ctx, "a.xml", "-m", "gpu", "-k",
-                                    "not test_cuda_lists_on_gpu", *_gpu_test_files(ctx)),
+                                    "not test_cuda_lists_on_gpu",
+                                    *(["--assert=plain"] if ctx.smoke else []),
+                                    *_gpu_test_files(ctx)),
         extract=ex.extract_cuda_tests, ok_returncodes=(0, 1, 5),
         goals=(Goal("CUDA tests failing", "==", 0, "every CUDA test passes on the GPU"),),
     ),
@@ -109,7 +116,7 @@ PARTS: list[Part] = [
              "TrainStep <= 1.0x the manual capture, ResNet-50, bf16 (time)"),
         Goal("TrainStep O1 fp16 / fp32 eager", "<=", 0.2,
              "TrainStep <= 0.2x FP32 eager, ResNet-50 (time, fp16)"),
-    ), smoke_variants=_RESNET_SMOKE),
+    ), smoke_variants=_RESNET_SMOKE, smoke_warmup=0),
     _graph_part("gpt2", 42, 240, 540, (
         Goal("TrainStep O1 bf16+compile / torch.amp+compile bf16", "<=", 1.0,
              "GPT-2 small: TrainStep + compile <= 1.0x torch.amp + compile (time)"),
@@ -153,7 +160,8 @@ PARTS: list[Part] = [
         title="the watch's cost on CUDA (no watch / ops=False / ops=True), no sync allowed",
         command=lambda ctx: [ctx.python, "benchmarks/watch_overhead.py", "--json",
                              ctx.path("g-watch.json")]
-        + ([*_SMOKE_CPU, "--rounds", "1", "--steps", "1", "--workloads", "mlp"]
+        # Smoke: batch 4, not the CPU size's 64, whose bf16 steps took 0.5 s each (9 of them)
+        + ([*_SMOKE_CPU, "--rounds", "1", "--steps", "1", "--workloads", "mlp", "--batch", "4"]
            if ctx.smoke else []),
         extract=ex.extract_watch,
     ),
@@ -183,9 +191,12 @@ PARTS: list[Part] = [
         title="TrainStep under DDP: the whole step, DDP's all-reduce included, one CUDA graph",
         command=lambda ctx: [ctx.python, "benchmarks/ddp_trainstep.py", "--json",
                              ctx.path("j-ddp.json")]
-        # tests/test_gpu_suite.py checks the smoke run's records and the script's own checks
-        + (["--device", "cpu", "--steps", "18", "--width", "32", "--batch", "8"]
-           if ctx.smoke else ["--nproc", "1"]),
+        # tests/test_gpu_suite.py checks the smoke run's records and the script's own checks;
+        # 18 steps: the fewest that reach the inf injected at step 15 and the skip after it.
+        # The ranks fork from the part, which has torch imported: a server of their own would
+        # import it again (seconds of CPU a run).
+        + (["--device", "cpu", "--steps", "18", "--width", "32", "--batch", "8",
+            "--start-method", "fork"] if ctx.smoke else ["--nproc", "1"]),
         extract=ex.extract_ddp, ok_returncodes=(0, 1),  # 1: a check failed, JSON written
         goals=(Goal("failed checks", "==", 0,
                     "DDP step captured, equal to eager, ranks agree (TrainStep ddp=True)"),),
@@ -195,9 +206,10 @@ PARTS: list[Part] = [
         title="memory per rank under FSDP2: fp32, FSDP2's policy, mixprec O2",
         command=lambda ctx: [ctx.python, "benchmarks/fsdp_memory.py", "--json",
                              ctx.path("k-fsdp.json")]
-        + (["--device", "cpu", "--nproc", "2", "--width", "32", "--depth", "2"]
-           if ctx.smoke else ["--device", "cuda", "--nproc", "1", "--width", "2048",
-                              "--depth", "8"]),
+        # The ranks fork from the part (see j-ddp).
+        + (["--device", "cpu", "--nproc", "2", "--width", "32", "--depth", "2",
+            "--start-method", "fork"] if ctx.smoke
+           else ["--device", "cuda", "--nproc", "1", "--width", "2048", "--depth", "8"]),
         extract=ex.extract_fsdp_memory,
         goals=(Goal("O2 total - FSDP2 policy total (bytes)", "==", 0,
                     "O2 on FSDP2 adds no fp32 copy beyond FSDP2's own"),),
@@ -233,9 +245,11 @@ PARTS: list[Part] = [
                              "mlp" if ctx.smoke else "all", "--no-progress",
                              "--json", ctx.path("h.json"), "--plot", ctx.path("h.png")]
         # Smoke: three rows are enough to check the command and its extraction; every row,
-        # TrainStep's compile included, runs in tests/test_cli.py's tiny bench.
+        # TrainStep's compile included, runs in tests/test_cli.py's tiny bench. A 1 s budget
+        # fits the 16-bit rows to a small size (the CPU size's take 0.5 s a step), as the
+        # default budget does on a slow CPU.
         + (["--device", "cpu", "--steps", "1", "--warmup", "0", "--variants",
-            "fp32,torch.amp,O1"] if ctx.smoke else ["--full"]),
+            "fp32,torch.amp,O1", "--budget", "1"] if ctx.smoke else ["--full"]),
         extract=ex.extract_bench, artefacts=(("h.png", "bench.png"),),
         goals=(Goal("max peak / torch.amp peak", "<=", 1.0,
                     "peak memory <= torch.amp on every row (mixprec bench --full)"),),
