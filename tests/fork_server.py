@@ -9,33 +9,103 @@ starts with no state of the test process (no threads, no tensors, no process gro
 A process has one forkserver, whose preload list applies when it starts, and other code in the
 same pytest worker may have started it first (the GPU suite's tests start one preloading json).
 `context` therefore restarts it, with the union of everything asked for so far, whenever the
-running server is not one it started with those modules. Processes forked earlier keep running;
-their exit status reads 255 once their server is gone (the pools only join them to clean up).
+running server is not one it started, or lacks a module asked for outside this repository's
+`tests` and `mixprec` packages. Those two are the exception: a scenario module (or a mixprec
+module) costs little on top of what its caller lists beside it (torch, Lightning), so a child
+imports it when it unpickles its target, and a server that imported Lightning for one test file
+serves the next file's scenarios too instead of importing everything again (each restart with
+Lightning in it cost 11-16 s of CPU). Processes forked earlier keep running; their exit status
+reads 255 once their server is gone (the pools only join them to clean up).
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
 from multiprocessing import forkserver
+from pathlib import Path
 
-__all__ = ["context"]
+__all__ = ["context", "run"]
 
-#: What every server imports: the distributed tests' processes all need these.
-BASE = ("torch", "torch.distributed", "mixprec")
+#: What every server imports: the distributed tests' processes all need these. torch._dynamo
+#: (2 s of CPU) too: torch imports it in each process that builds its first optimizer.
+BASE = ("torch", "torch.distributed", "torch._dynamo", "mixprec")
 
 _ours: dict = {"pid": None, "modules": frozenset()}
 
 
 def context(*modules: str) -> multiprocessing.context.BaseContext:
     """The ``"forkserver"`` multiprocessing context, its server preloaded with `BASE` and
-    `modules` (importable module names; their children come forked with them imported)."""
+    `modules` (importable module names; their children come forked with them imported, or,
+    for modules of `tests` and `mixprec` that a running server lacks, import them themselves)."""
     server = forkserver._forkserver
     wanted = frozenset(BASE) | frozenset(modules) | _ours["modules"]
     running = getattr(server, "_forkserver_pid", None)
-    if running is None or running != _ours["pid"] or wanted != _ours["modules"]:
+    missing = wanted - _ours["modules"]
+    if running is None or running != _ours["pid"] or any(_costly(m) for m in missing):
         if running is not None:
             server._stop()
         server.set_forkserver_preload(sorted(wanted))
         server.ensure_running()
         _ours.update(pid=server._forkserver_pid, modules=wanted)
     return multiprocessing.get_context("forkserver")
+
+
+def _costly(module: str) -> bool:
+    """Whether a child should find `module` imported rather than import it itself."""
+    return module.partition(".")[0] not in ("tests", "mixprec")
+
+
+def run(argv: Sequence[str], *, cwd: str | os.PathLike[str], timeout: float,
+        env: dict[str, str] | None = None,
+        preload: Sequence[str] = ()) -> subprocess.CompletedProcess[str]:  # fmt: skip
+    """``subprocess.run(argv, capture_output=True, text=True)`` for ``python script.py ...`` or
+    ``python -m module ...``, forked from the server (`preload` added to its imports) instead of
+    a fresh interpreter: its own process, argv, environment (`env`, or this process's), working
+    directory, stdout, stderr and exit status. What it runs starts as ``__main__`` does.
+
+    Raises ``subprocess.TimeoutExpired`` (its process group killed) after `timeout` seconds.
+    """
+    argv = [str(a) for a in argv]
+    environ = dict(os.environ if env is None else env)
+    with tempfile.TemporaryDirectory(prefix="mixprec-fork-") as tmp:
+        out, err = Path(tmp, "out"), Path(tmp, "err")
+        proc = context(*preload).Process(target=_main, args=(argv, str(cwd), environ, out, err))
+        proc.start()
+        proc.join(timeout)
+        if proc.exitcode is None:
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(proc.pid, sig)  # type: ignore[arg-type]
+                except ProcessLookupError:
+                    break
+            proc.join()
+            raise subprocess.TimeoutExpired(argv, timeout)
+        return subprocess.CompletedProcess(argv, proc.exitcode, out.read_text(), err.read_text())
+
+
+def _main(argv: list[str], cwd: str, env: dict[str, str], out: Path, err: Path) -> None:
+    """In the forked child: become `argv`. multiprocessing's bootstrap turns ``SystemExit``
+    into the exit status, prints an uncaught exception's traceback (to `err`) and exits 1."""
+    os.setpgid(0, 0)  # a group of its own: a timeout ends it with what it started
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    for path, target in ((out, 1), (err, 2)):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(fd, target)
+        os.close(fd)
+    if argv[1] == "-m":
+        sys.argv = argv[2:]
+        sys.path.insert(0, cwd)
+        runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = argv[1:]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[1])))
+        runpy.run_path(argv[1], run_name="__main__")

@@ -577,19 +577,24 @@ def test_an_initialize_loop_cannot_replay_and_holds_nothing():
 
 def test_the_fp16_zoo_benchmark_runs_and_reports_the_replayed_moves(tmp_path):
     """benchmarks/fp16_zoo.py at toy length (primer, 12 steps, one seed): the JSON, the table
-    and the PNG are written, and the healed run moved primer's c_proj and replayed its skips."""
+    and the PNG are written, and the healed run moved primer's c_proj and replayed its skips.
+
+    Run as ``python benchmarks/fp16_zoo.py``, in a process of its own forked from the test
+    worker's server (tests/fork_server.py), which imported torch, its dynamo and mixprec once.
+    """
     import json
-    import subprocess
     import sys
     from pathlib import Path
 
+    from tests import fork_server
+
     root = Path(__file__).resolve().parents[1]
     js, txt, png = tmp_path / "z.json", tmp_path / "z.txt", tmp_path / "z.png"
-    out = subprocess.run(
+    out = fork_server.run(
         [sys.executable, str(root / "benchmarks" / "fp16_zoo.py"), "--steps", "12",
          "--models", "primer", "--seeds", "1", "--json", str(js), "--txt", str(txt),
          "--png", str(png)],
-        capture_output=True, text=True, timeout=300,
+        cwd=tmp_path, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     doc = json.loads(js.read_text())

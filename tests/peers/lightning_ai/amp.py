@@ -59,6 +59,8 @@ def spawn_strategy(api: str = "trainer") -> Any:
         from lightning.pytorch.strategies import DDPStrategy
     else:
         from lightning.fabric.strategies import DDPStrategy
-    # Lightning starts its processes from the process's one forkserver: have it preload these.
-    context("lightning.pytorch", "lightning.fabric", "mixprec.integrations.lightning")
+    # Lightning starts its processes from the process's one forkserver: have it preload these
+    # (importing lightning.pytorch imports lightning.fabric: a server that another test file
+    # started with lightning.pytorch serves these tests as it is).
+    context("lightning.pytorch", "mixprec.integrations.lightning")
     return DDPStrategy(start_method="forkserver")
