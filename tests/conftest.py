@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import warnings
 from collections.abc import Iterator
@@ -37,6 +38,23 @@ def _share_the_cores() -> None:
 
 
 _share_the_cores()
+
+
+def _collect_less_often() -> None:
+    """Run the cyclic garbage collector less often in the test process.
+
+    A pytest worker holds torch, dynamo, inductor, transformers and Lightning (millions of
+    objects), and dynamo's tracing allocates fast, so with Python's default thresholds (700,
+    10, 10) every full collection walked them all: on test_trainstep_compiled.py and
+    test_graph.py in one process, 27 full collections, and the collector took a quarter of the
+    CPU time. At (10,000, 20, 100): 1 full collection, 7% less CPU in all (255 s instead of
+    273 s, the same four-way-loaded machine for each setting), 80 MB more peak memory. No test
+    relies on when the collector runs: those that need an object gone call ``gc.collect()``.
+    """
+    gc.set_threshold(10_000, 20, 100)
+
+
+_collect_less_often()
 
 HAS_CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
