@@ -208,6 +208,9 @@ def _report(records: list[dict], failed: list[str], args: argparse.Namespace) ->
 
 
 def main(argv: list[str] | None = None) -> None:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/: suite.args
+    from suite.args import check_start_method, start_method_option
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--nproc", type=int, default=None, help="ranks (default: every GPU; 2 with --device cpu)"
@@ -234,12 +237,7 @@ def main(argv: list[str] | None = None) -> None:
                         default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cuda (NCCL, captured; the default with a GPU) or cpu (gloo, "
                         "eager, toy sizes)")  # fmt: skip
-    parser.add_argument("--start-method", choices=("forkserver", "fork"), default="forkserver",
-                        help="how the ranks start: forked from a server that imports this "
-                        "script (the default); or fork, straight from this process, which has "
-                        "torch and mixprec imported already: CPU only (a CUDA context does "
-                        "not survive a fork), saves the server's imports (the GPU suite's "
-                        "smoke run)")  # fmt: skip
+    start_method_option(parser)
     parser.add_argument(
         "--json",
         metavar="PATH",
@@ -249,8 +247,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a GPU; use --device cpu for the eager gloo run")
-    if args.start_method == "fork" and args.device == "cuda":
-        parser.error("--start-method fork is for --device cpu (CUDA does not survive a fork)")
+    check_start_method(parser, args)
     if args.steps <= INF_STEP + 2:
         parser.error(f"--steps must be > {INF_STEP + 2} (the inf is injected at {INF_STEP})")
     nproc = args.nproc or (torch.cuda.device_count() if args.device == "cuda" else 2)

@@ -178,6 +178,9 @@ def _run(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/: suite.args
+    from suite.args import check_start_method, start_method_option
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--nproc", type=int, default=2, help="ranks to spawn (default: 2)")
     parser.add_argument(
@@ -204,16 +207,10 @@ def main(argv: list[str] | None = None) -> None:
         help="cpu (gloo ranks) or cuda (NCCL, one GPU per rank; adds each step's peak "
         "allocated memory) (default: %(default)s)",
     )
-    parser.add_argument("--start-method", choices=("forkserver", "fork"), default="forkserver",
-                        help="how the ranks start: forked from a server that imports this "
-                        "script (the default); or fork, straight from this process, which has "
-                        "torch and mixprec imported already: CPU only (a CUDA context does "
-                        "not survive a fork), saves the server's imports (the GPU suite's "
-                        "smoke run)")  # fmt: skip
+    start_method_option(parser)
     parser.add_argument("--json", metavar="PATH", help="write one record per rank and config")
     args = parser.parse_args(argv)
-    if args.start_method == "fork" and args.device == "cuda":
-        parser.error("--start-method fork is for --device cpu (CUDA does not survive a fork)")
+    check_start_method(parser, args)
     if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
         _run(args)
         return

@@ -9,7 +9,8 @@ the valid ones instead of a KeyError's traceback or a run that skips it.
 The wording follows ``mixprec.cli._choices``; it is not imported from there because
 gpu_suite.py and cpu_goals.py import no mixprec (the suite installs and probes it in the parts'
 own processes), and a script's unknown-name message keeps its ``unknown X; valid: ...`` form.
-Scripts put ``benchmarks/`` on ``sys.path`` and import it as ``suite.args``.
+Scripts put ``benchmarks/`` on ``sys.path`` and import it as ``suite.args``. Beside the lists:
+``--start-method``, how the scripts that start CPU ranks themselves start them.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-__all__ = ["UsageError", "comma_list", "list_error", "usage_error"]
+__all__ = [
+    "UsageError", "check_start_method", "comma_list", "list_error", "start_method_option",
+    "usage_error",
+]  # fmt: skip
 
 
 def list_error(value: str, valid: Sequence[str], flag: str, *, none: str | None = None,
@@ -92,3 +96,20 @@ def usage_error(prog: str, message: str) -> NoReturn:
     text = f"{prog}: error: {message}"
     print(text, file=sys.stderr)
     raise UsageError(text)
+
+
+def start_method_option(parser: argparse.ArgumentParser) -> None:
+    """Add ``--start-method forkserver|fork`` to a script that starts its ranks itself."""
+    parser.add_argument("--start-method", choices=("forkserver", "fork"), default="forkserver",
+                        help="how the ranks start: forked from a server that imports this "
+                        "script (the default); or fork, straight from this process, which has "
+                        "torch and mixprec imported already: CPU only (a CUDA context does "
+                        "not survive a fork), saves the server's imports (the GPU suite's "
+                        "smoke run)")  # fmt: skip
+
+
+def check_start_method(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse ``--start-method fork`` with ``--device cuda`` (status 2, with the fix)."""
+    if args.start_method == "fork" and args.device == "cuda":
+        parser.error("--start-method fork is for --device cpu (CUDA does not survive a fork); "
+                     "drop it, or use --start-method forkserver")  # fmt: skip
