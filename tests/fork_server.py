@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import runpy
-import signal
 import subprocess
 import sys
 import tempfile
@@ -72,40 +70,18 @@ def run(argv: Sequence[str], *, cwd: str | os.PathLike[str], timeout: float,
 
     Raises ``subprocess.TimeoutExpired`` (its process group killed) after `timeout` seconds.
     """
+    benchmarks = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    if benchmarks not in sys.path:
+        sys.path.insert(0, benchmarks)
+    from suite.launch import run_forked  # the GPU suite's launcher: a part starts the same way
+
     argv = [str(a) for a in argv]
     environ = dict(os.environ if env is None else env)
     with tempfile.TemporaryDirectory(prefix="mixprec-fork-") as tmp:
         out, err = Path(tmp, "out"), Path(tmp, "err")
-        proc = context(*preload).Process(target=_main, args=(argv, str(cwd), environ, out, err))
-        proc.start()
-        proc.join(timeout)
-        if proc.exitcode is None:
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(proc.pid, sig)  # type: ignore[arg-type]
-                except ProcessLookupError:
-                    break
-            proc.join()
+        rc, timed_out = run_forked(context(*preload), argv, cwd=str(cwd), env=environ,
+                                   log_path=str(out), err_path=str(err),
+                                   timeout=timeout)  # fmt: skip
+        if timed_out:
             raise subprocess.TimeoutExpired(argv, timeout)
-        return subprocess.CompletedProcess(argv, proc.exitcode, out.read_text(), err.read_text())
-
-
-def _main(argv: list[str], cwd: str, env: dict[str, str], out: Path, err: Path) -> None:
-    """In the forked child: become `argv`. multiprocessing's bootstrap turns ``SystemExit``
-    into the exit status, prints an uncaught exception's traceback (to `err`) and exits 1."""
-    os.setpgid(0, 0)  # a group of its own: a timeout ends it with what it started
-    os.chdir(cwd)
-    os.environ.clear()
-    os.environ.update(env)
-    for path, target in ((out, 1), (err, 2)):
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(fd, target)
-        os.close(fd)
-    if argv[1] == "-m":
-        sys.argv = argv[2:]
-        sys.path.insert(0, cwd)
-        runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = argv[1:]
-        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[1])))
-        runpy.run_path(argv[1], run_name="__main__")
+        return subprocess.CompletedProcess(argv, rc, out.read_text(), err.read_text())

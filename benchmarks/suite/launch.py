@@ -152,19 +152,27 @@ class Preloaded:
         The exit status is the script's (``SystemExit``), 1 after an uncaught exception (its
         traceback is in the log), minus the signal's number when a signal ended it.
         """
-        name = os.path.basename(argv[2] if argv[1] == "-m" else argv[1])
-        proc = self._ctx.Process(target=_child, name=name,
-                                 args=(list(argv), cwd, self.env, log_path, err_path))  # fmt: skip
-        proc.start()
-        try:
-            proc.join(timeout)
-        except BaseException:  # the suite was stopped (SIGTERM, SIGINT): end the part first
-            _kill_group(proc)
-            raise
-        if proc.exitcode is None:
-            _kill_group(proc)
-            return None, True
-        return proc.exitcode, False
+        return run_forked(self._ctx, argv, cwd=cwd, env=self.env, log_path=log_path,
+                          timeout=timeout, err_path=err_path)  # fmt: skip
+
+
+def run_forked(ctx: multiprocessing.context.BaseContext, argv: Sequence[str], *, cwd: str,
+               env: dict[str, str], log_path: str, timeout: float,
+               err_path: str | None = None) -> tuple[int | None, bool]:  # fmt: skip
+    """`Preloaded.run` on any forkserver context `ctx` and environment `env` (the tests'
+    server, tests/fork_server.py, runs scripts this way too)."""
+    name = os.path.basename(argv[2] if argv[1] == "-m" else argv[1])
+    proc = ctx.Process(target=_child, name=name, args=(list(argv), cwd, env, log_path, err_path))
+    proc.start()
+    try:
+        proc.join(timeout)
+    except BaseException:  # the suite was stopped (SIGTERM, SIGINT): end the part first
+        _kill_group(proc)
+        raise
+    if proc.exitcode is None:
+        _kill_group(proc)
+        return None, True
+    return proc.exitcode, False
 
 
 def _kill_group(proc: multiprocessing.process.BaseProcess) -> None:
