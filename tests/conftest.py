@@ -83,6 +83,17 @@ def _seed() -> Iterator[None]:
         os.environ.update(env)
 
 
+@pytest.fixture
+def fresh_accelerate() -> Iterator[None]:
+    """Accelerate's process-wide state reset before and after the test (Accelerate keeps one
+    per process; another ``mixed_precision`` needs a fresh one). Used with ``usefixtures``."""
+    from tests.helpers import reset_accelerate
+
+    reset_accelerate()
+    yield
+    reset_accelerate()
+
+
 @contextlib.contextmanager
 def fake_cuda() -> Iterator[object]:
     """CUDA tensors without a GPU: FakeTensorMode tensors on device 'cuda'.

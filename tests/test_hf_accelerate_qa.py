@@ -16,14 +16,10 @@ from accelerate.utils import AutocastKwargs  # noqa: E402
 from mixprec.integrations.accelerate import AmpAccelerator  # noqa: E402
 from tests.helpers import reset_accelerate  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    reset_accelerate()
-    yield
-    reset_accelerate()
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning"),
+    pytest.mark.usefixtures("fresh_accelerate"),
+]
 
 
 class _Fp32Block(torch.nn.Module):

@@ -25,14 +25,10 @@ from mixprec.integrations.engine import AmpConfig, IntegrationError  # noqa: E40
 from mixprec.integrations.transformers import AmpMetricsCallback, AmpTrainer  # noqa: E402
 from tests.helpers import INF, SCALER, STEPS, X, Y, reset_accelerate, tiny_net  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    reset_accelerate()
-    yield
-    reset_accelerate()
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning"),
+    pytest.mark.usefixtures("fresh_accelerate"),
+]
 
 
 def _parts():
