@@ -42,7 +42,9 @@ def no_host_reads() -> Iterator[None]:
         yield
 
 
-__all__ = ["CastCounter", "dtypes_of", "no_host_reads", "reset_accelerate", "scaled_dot"]
+__all__ = [
+    "CastCounter", "Tokens", "dtypes_of", "no_host_reads", "reset_accelerate", "scaled_dot",
+]  # fmt: skip
 
 
 # The integration tests' tiny regression task (Lightning, Accelerate, the Transformers Trainer):
@@ -75,3 +77,17 @@ def reset_accelerate() -> None:
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+
+
+class Tokens(torch.utils.data.Dataset):
+    """`n` sequences of 16 random token ids below 64 (seed 2), each its own labels: the
+    Transformers Trainer tests' language-modelling data."""
+
+    def __init__(self, n: int) -> None:
+        self.ids = torch.randint(0, 64, (n, 16), generator=torch.Generator().manual_seed(2))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}

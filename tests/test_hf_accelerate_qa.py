@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 from accelerate.utils import AutocastKwargs  # noqa: E402
 
 from mixprec.integrations.accelerate import AmpAccelerator  # noqa: E402
-from tests.helpers import reset_accelerate  # noqa: E402
+from tests.helpers import Tokens, reset_accelerate  # noqa: E402
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning"),
@@ -58,17 +58,6 @@ def test_accelerate_autocast_handler_disables_the_region_as_accelerate_does():
 # ---------------------------------------------------------------------------- the Trainer
 
 
-class _Tokens(torch.utils.data.Dataset):
-    def __init__(self, n=16):
-        self.ids = torch.randint(0, 64, (n, 16), generator=torch.Generator().manual_seed(2))
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
 def _gpt2():
     torch.manual_seed(3)
     config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2)
@@ -87,7 +76,7 @@ def _trainer(path, **kw):
     from mixprec.integrations.transformers import AmpTrainer
 
     amp = AmpConfig("O2", "fp16", scaler={"init_scale": 1024.0, "growth_interval": 1})
-    return AmpTrainer(model=_gpt2(), args=_args(path, **kw), train_dataset=_Tokens(), amp=amp)
+    return AmpTrainer(model=_gpt2(), args=_args(path, **kw), train_dataset=Tokens(16), amp=amp)
 
 
 def test_trainer_o2_resumed_from_a_checkpoint_equals_the_uninterrupted_run(tmp_path):
@@ -135,7 +124,7 @@ def test_accelerate_o2_save_pretrained_loads_back_exactly_in_fp32(tmp_path):
     acc = AmpAccelerator(accelerate.Accelerator(cpu=True), "O2", "fp16")
     model = _gpt2()
     model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-    ids = _Tokens().ids[:4]
+    ids = Tokens(16).ids[:4]
     for _ in range(2):
         acc.backward(model(input_ids=ids, labels=ids).loss)
         opt.step()

@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 from mixprec.integrations.accelerate import AmpAccelerator  # noqa: E402
 from mixprec.integrations.engine import AmpConfig, IntegrationError  # noqa: E402
 from mixprec.integrations.transformers import AmpMetricsCallback, AmpTrainer  # noqa: E402
-from tests.helpers import INF, SCALER, STEPS, X, Y, reset_accelerate, tiny_net  # noqa: E402
+from tests.helpers import INF, SCALER, STEPS, Tokens, X, Y, reset_accelerate, tiny_net  # noqa: E402
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning"),
@@ -187,17 +187,6 @@ def test_accelerate_precision_set_earlier_in_the_process_is_explained(monkeypatc
         AmpAccelerator(accelerate.Accelerator(cpu=True))
 
 
-class _Tokens(torch.utils.data.Dataset):
-    def __init__(self):
-        self.ids = torch.randint(0, 64, (24, 16), generator=torch.Generator().manual_seed(2))
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
 def _gpt2():
     torch.manual_seed(3)
     config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
@@ -228,10 +217,10 @@ def test_trainer_bf16_equals_the_trainers_own_bf16(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         theirs = transformers.Trainer(model=_gpt2(), args=_args(tmp_path / "a", bf16=True),
-                                      train_dataset=_Tokens())  # fmt: skip
+                                      train_dataset=Tokens(24))  # fmt: skip
         theirs.train()
         reset_accelerate()
-        ours = AmpTrainer(model=_gpt2(), args=_args(tmp_path / "b"), train_dataset=_Tokens(),
+        ours = AmpTrainer(model=_gpt2(), args=_args(tmp_path / "b"), train_dataset=Tokens(24),
                           amp=AmpConfig("O1", "bf16"))  # fmt: skip
         ours.train()
     assert _losses(ours) == _losses(theirs)
@@ -245,7 +234,7 @@ def test_trainer_o2_saves_a_model_that_loads_back_in_fp32(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = AmpTrainer(model=_gpt2(), args=_args(tmp_path / "run"),
-                             train_dataset=_Tokens(), amp=AmpConfig("O2", "fp16"))  # fmt: skip
+                             train_dataset=Tokens(24), amp=AmpConfig("O2", "fp16"))  # fmt: skip
         trainer.train()
         trainer.save_model(str(tmp_path / "final"))
         loaded = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "final"))
@@ -268,7 +257,7 @@ def test_trainer_skips_an_overflow_holds_the_schedule_and_logs_it(tmp_path):
     callback = AmpMetricsCallback(every=4, tensorboard_dir=str(tmp_path / "tb"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = _Overflow(model=_gpt2(), args=_args(tmp_path / "c"), train_dataset=_Tokens(),
+        trainer = _Overflow(model=_gpt2(), args=_args(tmp_path / "c"), train_dataset=Tokens(24),
                             amp=AmpConfig("O2", "fp16", scaler=SCALER), callbacks=[lrs],
                             amp_callback=callback)  # fmt: skip
         trainer.train()
@@ -289,4 +278,4 @@ def test_trainer_skips_an_overflow_holds_the_schedule_and_logs_it(tmp_path):
 
 def test_trainer_refuses_its_own_fp16_flag(tmp_path):
     with pytest.raises(IntegrationError, match="leave bf16=False"):
-        AmpTrainer(model=_gpt2(), args=_args(tmp_path, bf16=True), train_dataset=_Tokens())
+        AmpTrainer(model=_gpt2(), args=_args(tmp_path, bf16=True), train_dataset=Tokens(24))
