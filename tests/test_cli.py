@@ -89,9 +89,13 @@ def test_tiny_bench_writes_json_and_png(tmp_path):
         r = by[name]
         assert r["status"] == "ok" and r["ms_per_step"] > 0 and r["final_loss"] > 0
         assert r["torch"] == torch.__version__ and r["command"].startswith("mixprec bench")
-        assert r["peak_memory_MiB"] > 0  # torch.profiler's memory timeline on a CPU
-    # fp32 weights, gradients and SGD's state are the same in every row: O2/O3 hold less.
-    assert by["O3"]["peak_memory_MiB"] < by["fp32"]["peak_memory_MiB"]
+    # Peak memory (torch.profiler's allocation events on a CPU): fp32 weights and gradients
+    # (3 x 1024^2 each, SGD keeps no state) in fp32, O1 and the compiled TrainStep, whose
+    # kernels read the weights where the profiler records no op; O2/O3 hold less.
+    fp32_state = 2 * 3 * 1024**2 * 4 / 2**20
+    for name in ("fp32", "torch.amp", "O1", "trainstep"):
+        assert by[name]["peak_memory_MiB"] >= fp32_state, by[name]
+    assert 0 < by["O3"]["peak_memory_MiB"] < by["fp32"]["peak_memory_MiB"]
     assert by["fp32"]["speedup_vs_fp32"] == 1.0 and by["torch.amp"]["speedup_vs_torch_amp"] == 1.0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "skipped: TF32" in out.stdout and "ms/step" in out.stdout

@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
         "memory, final loss and the share of the device's matmul peak. It first measures the "
         "device's fp32 and 16-bit matmul rates and says what this machine can show. On a CPU "
         "the run fits a time budget (--budget, default "
-        f"{DEFAULT_CPU_BUDGET_S:g} s of measuring; start-up, compiling and memory timelines "
+        f"{DEFAULT_CPU_BUDGET_S:g} s of measuring; start-up, compiling and reading memory events "
         "come on top: the first run compiles the TrainStep rows, which takes minutes on a "
         "small CPU, and later runs reuse the compile cache): "
         "where the default sizes do not fit (a CPU without fast bf16 runs it at 1/100 of fp32's "

@@ -137,7 +137,7 @@ class Budget:
     def __init__(self, seconds: float | None) -> None:
         self.seconds = seconds
         self.start = time.perf_counter()
-        # Seconds outside the budget: compiling TrainStep rows, building memory timelines.
+        # Seconds outside the budget: compiling TrainStep rows, reading memory events (CPU).
         self.excluded = 0.0
 
     @property

@@ -98,7 +98,7 @@ def _sizes_sentence(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str
         outside = meta.get("outside_budget_s") or 0.0
         if outside and took is not None:
             took_text += (f" ({outside:.0f} s of it outside the budget: compiling TrainStep, "
-                          f"reading memory timelines)")  # fmt: skip
+                          f"reading memory events)")  # fmt: skip
         head = f"Sizes fitted to a {budget:g} s budget{took_text}"
     if not reduced:
         tail = "every workload at its default size."
@@ -152,7 +152,7 @@ def render_table(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
         "x fp32 / x torch.amp: speed-up over those rows of the same block (above 1 = faster).",
         "peak MiB: peak memory of a step ("
         + (
-            "torch.profiler's memory timeline of one extra step: CPU allocator events, "
+            "torch.profiler's CPU allocator events over one extra step, "
             "parameters and optimizer state included"
             if rows and rows[0]["device"] == "cpu"
             else "torch.cuda.max_memory_allocated"

@@ -16,6 +16,7 @@ call, which keeps its gradients until the next step) to see the largest point of
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +26,7 @@ from torch import nn
 from mixprec._compat import local_tensor
 from mixprec.errors import ArgumentTypeError
 
-__all__ = ["COMPONENTS", "MemoryReport", "memory_report"]
+__all__ = ["COMPONENTS", "MemoryReport", "memory_report", "state_tensors"]
 
 #: The components, in the order they are reported.
 COMPONENTS = (
@@ -97,53 +98,60 @@ def memory_report(model: nn.Module, optimizer: Any = None) -> MemoryReport:
     seen: set[tuple[str, int]] = set()
     held: dict[str, int] = {}
     dtypes: dict[str, dict[str, int]] = {}
-
-    def count(component: str, tensor: Any) -> None:
-        if not isinstance(tensor, torch.Tensor):
-            return
-        t = local_tensor(tensor)
-        flatten = getattr(type(t), "__tensor_flatten__", None)
-        if flatten is not None and type(t) not in (torch.Tensor, nn.Parameter):
-            # A tensor subclass (another library's quantized state): count what it holds.
-            for name in t.__tensor_flatten__()[0]:
-                count(component, getattr(t, name))
-            return
+    for component, t in state_tensors(model, optimizer):
         storage = t.untyped_storage()
         key = (str(t.device), storage.data_ptr())
         if key in seen and storage.nbytes():
-            return
+            continue
         seen.add(key)
         n = storage.nbytes()
         held[component] = held.get(component, 0) + n
         name = str(t.dtype).replace("torch.", "")
         dtypes.setdefault(component, {})[name] = dtypes.get(component, {}).get(name, 0) + n
+    numel = sum(local_tensor(p).numel() for p in model.parameters())
+    ordered = {k: held[k] for k in COMPONENTS if k in held}
+    return MemoryReport(numel, ordered, {k: dtypes[k] for k in ordered})
+
+
+def state_tensors(model: nn.Module, optimizer: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of training state (see `memory_report`) with its component, each as the
+    plain tensor that owns the storage: a DTensor's local shard, a tensor subclass opened up
+    into the tensors it holds. A storage met twice is yielded twice (callers deduplicate)."""
+
+    def plain(component: str, tensor: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        if not isinstance(tensor, torch.Tensor):
+            return
+        t = local_tensor(tensor)
+        if hasattr(type(t), "__tensor_flatten__") and type(t) not in (torch.Tensor, nn.Parameter):
+            # A tensor subclass (another library's quantized state): what it holds.
+            for name in t.__tensor_flatten__()[0]:
+                yield from plain(component, getattr(t, name))
+            return
+        yield component, t
 
     params = list(model.parameters())
-    numel = sum(local_tensor(p).numel() for p in params)
     for p in params:
-        count("weights", p)
+        yield from plain("weights", p)
     for p in params:
-        count("gradients", p.grad)
+        yield from plain("gradients", p.grad)
     inner = optimizer
     if optimizer is not None and hasattr(optimizer, "_masters") and hasattr(optimizer, "optimizer"):
         for m in optimizer._masters:
-            count("masters", m)
-            count("gradients", m.grad)
+            yield from plain("masters", m)
+            yield from plain("gradients", m.grad)
         inner = optimizer.optimizer
         scaler = getattr(optimizer, "scaler", None)
         guard = scaler._known_guard(inner) if scaler is not None else None
         for t in getattr(guard, "_snapshot", ()) or ():
-            count("skip snapshot", t)
+            yield from plain("skip snapshot", t)
     if inner is not None:
         for group in getattr(inner, "param_groups", ()):
             for p in group["params"]:
-                count("masters", p)  # a stepped tensor that is not the model's (O2 masters)
-                count("gradients", p.grad)
+                yield from plain("masters", p)  # a stepped tensor that is not the model's (O2)
+                yield from plain("gradients", p.grad)
         for state in getattr(inner, "state", {}).values():
             for key, value in state.items():
-                count(_component(str(key), value), value)
-    ordered = {k: held[k] for k in COMPONENTS if k in held}
-    return MemoryReport(numel, ordered, {k: dtypes[k] for k in ordered})
+                yield from plain(_component(str(key), value), value)
 
 
 def _component(key: str, value: Any) -> str:
