@@ -71,17 +71,29 @@ def test_compiled_loss_runs_in_fp32(backend):
 
 # -------------------------------------------------------- torch's autocast lists, as graphs
 
+# One graph per list: each op is its own call on its own inputs, so the ops do not interact,
+# and one trace per list instead of one per op (a trace's fixed cost, guards and all, was most
+# of each op's 0.1-0.3 s). A mismatch names every op that differs.
+
+
+def _run_ops(cases, region):
+    """Each (id, call, args) case's result, eagerly in `region` and as one compiled graph."""
+    with region():
+        want = [call(*args) for _, call, args in cases]
+
+    def every_op():
+        return [call(*args) for _, call, args in cases]
+
+    return want, every_op
+
+
+def _differ(cases, got, want) -> list[str]:
+    return [i for (i, _, _), g, w in zip(cases, got, want, strict=True) if not _same(g, w)]
+
+
 _CPU = lists.AutocastCPUTestLists(torch.device("cpu"))
-_CPU_CASES = [
-    pytest.param(getattr(module, e[0]), e[1], e[2] if len(e) > 2 else {}, fp32, id=f"{name}:{e[0]}")
-    for name, module, fp32 in (
-        ("torch_16", torch, False),
-        ("nn_16", torch._C._nn, False),
-        ("torch_fp32", torch, True),
-        ("nn_fp32", torch._C._nn, True),
-    )
-    for e in getattr(_CPU, name)
-]
+_CPU_LISTS = {"torch_16": (torch, False), "nn_16": (torch._C._nn, False),
+              "torch_fp32": (torch, True), "nn_fp32": (torch._C._nn, True)}  # fmt: skip
 
 
 def _low(args, dtype):
@@ -90,50 +102,53 @@ def _low(args, dtype):
     )
 
 
-@pytest.mark.parametrize("fn,args,kwargs,fp32_list", _CPU_CASES)
-def test_cpu_lists_as_graphs_equal_torch_autocast(fn, args, kwargs, fp32_list):
-    args = _low(args, BF16) if fp32_list else args
+def _cpu_case(module, entry, fp32_list):
+    args = _low(entry[1], BF16) if fp32_list else entry[1]
+    return entry[0], _caller(module, entry[0], entry[2] if len(entry) > 2 else {}), args
 
-    def call(*a):
-        return fn(*a, **kwargs)
 
-    with torch.autocast("cpu", dtype=BF16):
-        want = call(*args)
-    got = mixprec.compile(call, backend="eager", kernels="native", dtype=BF16,
-                          fullgraph=True)(*args)  # fmt: skip
-    assert _same(got, want)
+@pytest.mark.parametrize("name", list(_CPU_LISTS))
+def test_cpu_lists_as_graphs_equal_torch_autocast(name):
+    module, fp32_list = _CPU_LISTS[name]
+    cases = [_cpu_case(module, e, fp32_list) for e in getattr(_CPU, name)]
+    want, every_op = _run_ops(cases, lambda: torch.autocast("cpu", dtype=BF16))
+    got = mixprec.compile(every_op, backend="eager", kernels="native", dtype=BF16,
+                          fullgraph=True)()  # fmt: skip
+    assert not _differ(cases, got, want)
 
 
 _ALL = lists.AutocastTestLists(torch.device("cpu"))
 _MODULES = {"torch_fp16": torch, "torch_fp32": torch, "torch_need_autocast_promote": torch,
             "nn_fp16": torch._C._nn, "nn_fp32": torch._C._nn, "linalg_fp16": torch._C._linalg,
             "methods_fp16": None, "methods_fp32": None}  # fmt: skip
-_CUDA_CASES = [
-    pytest.param(
-        name, e[0], e[1], e[2] if len(e) > 2 and isinstance(e[2], dict) else {}, id=f"{name}:{e[0]}"
-    )
-    for name in _MODULES
-    for e in getattr(_ALL, name)
-    if not isinstance(e[1], str)  # einsum's entry is malformed in torch's list
-    and not (len(e) > 2 and e[2] is True)  # the list's own skip flag
-    and e[0] not in ("cudnn_convolution", "cudnn_convolution_transpose", "cdist")  # no CPU fp16
-]
 
 
-@pytest.mark.parametrize("name,op,args,kwargs", _CUDA_CASES)
-def test_cuda_table_as_graphs_equal_eager_engine(name, op, args, kwargs):
-    module = _MODULES[name]
+def _cuda_cases(name):
+    module, out = _MODULES[name], []
+    for e in getattr(_ALL, name):
+        if isinstance(e[1], str) or (len(e) > 2 and e[2] is True):
+            continue  # einsum's entry is malformed in torch's list; the list's own skip flag
+        if e[0] in ("cudnn_convolution", "cudnn_convolution_transpose", "cdist"):
+            continue  # no CPU fp16
+        kwargs = e[2] if len(e) > 2 and isinstance(e[2], dict) else {}
+        out.append((e[0], _caller(module, e[0], kwargs), e[1]))
+    return out
 
-    def call(*a):
-        if module is None:
-            return getattr(a[0], op)(*a[1:], **kwargs)
-        return getattr(module, op)(*a, **kwargs)
 
-    with mixprec.autocast("cpu", dtype=BF16, policy=CUDA_RULES):
-        want = call(*args)
-    got = mixprec.compile(call, backend="eager", kernels="native", dtype=BF16, policy=CUDA_RULES,
-                          fullgraph=True)(*args)  # fmt: skip
-    assert _same(got, want)
+def _caller(module, op, kwargs):
+    if module is None:  # a Tensor method, called on the first argument
+        return lambda *a: getattr(a[0], op)(*a[1:], **kwargs)
+    fn = getattr(module, op)
+    return lambda *a: fn(*a, **kwargs)
+
+
+@pytest.mark.parametrize("name", list(_MODULES))
+def test_cuda_table_as_graphs_equal_eager_engine(name):
+    cases = _cuda_cases(name)
+    want, every_op = _run_ops(cases, lambda: mixprec.autocast("cpu", dtype=BF16, policy=CUDA_RULES))
+    got = mixprec.compile(every_op, backend="eager", kernels="native", dtype=BF16,
+                          policy=CUDA_RULES, fullgraph=True)()  # fmt: skip
+    assert not _differ(cases, got, want)
 
 
 # ---------------------------------------------------------- models, forward and backward
