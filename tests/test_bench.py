@@ -77,10 +77,19 @@ def test_pct_of_peak_above_100_and_a_busy_machine_are_explained():
     # A run that shared the CPUs with other processes says so.
     quiet = {**meta, "load_average_before": 0.2, "load_average_after": 2.1, "cpu_count": 2}
     assert "was busy" not in report.render_table(rows, quiet)
-    busy = {**quiet, "load_average_before": 3.9, "load_average_after": 5.8}
-    assert "busy while measuring (load average 3.9 before the run, 5.8 after, on 2 CPUs)" in (
-        report.render_table(rows, busy).replace("\n  ", " ")
-    )
+    busy = {**quiet, "load_average_before": 3.9, "load_average_after": 5.8, "budget_s": 60.0}
+    text = report.render_table(rows, busy).replace("\n  ", " ")
+    assert "busy while measuring (load average 3.9 before the run, 5.8 after, on 2 CPUs)" in text
+    assert "sizes shrank to fit the budget" in text
+    # Without a budget nothing shrank, and the sizes sentence says why there was none.
+    ddp = {**busy, "budget_s": None, "steps_given": True,
+           "no_budget_reason": "data-parallel ranks run the same sizes and steps"}  # fmt: skip
+    text = report.render_table(rows, ddp).replace("\n  ", " ")
+    assert "busy while measuring" in text and "shrank" not in text
+    assert ("Sizes: the default ones, with the step counts asked for (no time budget: "
+            "data-parallel ranks run the same sizes and steps)") in text  # fmt: skip
+    text = report.render_table(rows, {**busy, "budget_s": None}).replace("\n  ", " ")
+    assert "with the workloads' own step counts (no time budget):" in text
 
 
 # ---------------------------------------------------------------------------- fitting

@@ -92,7 +92,10 @@ def _sizes_sentence(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str
     reduced = list(dict.fromkeys(r["workload"] for r in rows
                                  if r.get("reduced") and r["status"] == "ok"))  # fmt: skip
     if budget is None:
-        head = "Sizes: the default ones, with the workloads' own step counts (no time budget)"
+        counts = ("the step counts asked for" if meta.get("steps_given")
+                  else "the workloads' own step counts")  # fmt: skip
+        why = meta.get("no_budget_reason")
+        head = f"Sizes: the default ones, with {counts} (no time budget{': ' + why if why else ''})"
     else:
         took_text = f", took {took:.0f} s" if took is not None else ""
         outside = meta.get("outside_budget_s") or 0.0
@@ -143,9 +146,9 @@ def render_table(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
         lines += wrap.wrap(
             f"This machine was busy while measuring (load average {before:.1f} before the run, "
             f"{after:.1f} after, on {meta['cpu_count']} CPUs): "
-            "other processes slowed every step, so absolute times are high and sizes shrank to "
-            "fit the budget; ratios within a block stay comparable, since its rows took "
-            "turns.")  # fmt: skip
+            "other processes slowed every step, so absolute times are high"
+            + (" and sizes shrank to fit the budget" if meta.get("budget_s") else "")
+            + "; ratios within a block stay comparable, since its rows took turns.")  # fmt: skip
     lines += [
         "",
         "ms/step: median time of one training step (forward, loss, backward, optimizer).",

@@ -329,8 +329,11 @@ def run(
     """
     workloads, variants = list(workloads), list(variants)
     report: Progress = progress or (lambda label, done=0, total=None: None)
-    if dist is not None and dist.world_size > 1:
-        budget = None  # a budget fits sizes to this rank's clock; ranks must agree
+    no_budget = None
+    if dist is not None and dist.world_size > 1 and budget is not None:
+        # A budget fits sizes to this rank's clock, and every rank must run the same sizes
+        # and steps (each step is a collective): the default ones, and the report says why.
+        budget, no_budget = None, "data-parallel ranks run the same sizes and steps"
     clock = Budget(budget)
     load = [_load()]
     interleave = device != "cuda" and not full
@@ -367,6 +370,8 @@ def run(
         "load_average_after": load[1],
         "cpu_count": os.cpu_count(),
         "budget_s": budget,
+        "no_budget_reason": no_budget,
+        "steps_given": steps is not None or warmup is not None,
         "elapsed_s": clock.elapsed,
         # Seconds outside the budget: compiling TrainStep rows and reading the profiler's memory
         # events (CPU), reported.
