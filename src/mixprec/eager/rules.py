@@ -201,6 +201,8 @@ class Rule:
         return isinstance(t, Tensor) and t.dtype in _FLOATS and self.on_device(t)
 
     def _cast_to(self, mode, func, args, kwargs, target, src):
+        if dynamo_tracing():
+            return self._traced_cast_to(func, args, kwargs, target, src)
         cache = _weight_cache(mode)
         if kwargs:
             if "out" in kwargs:  # out= calls are never autocast (as in torch)
@@ -210,6 +212,41 @@ class Rule:
             return func(*args, **kwargs)
         return func(*_cast_args(cache, args, target, src, self.on_device, self.keep))
 
+    def _traced_cast_to(self, func, args, kwargs, target, src):
+        """`_cast_to` as dynamo traces it, with the same casts: no weight cache (no tensor may
+        outlive a trace) and no helper call per argument. Dynamo inlines every Python call it
+        meets, at about a millisecond each, and the per-argument helpers of the eager path
+        (`_cast_one`, the device check) made the mode most of the time to trace a model."""
+        if kwargs and "out" in kwargs:  # out= calls are never autocast (as in torch)
+            return func(*args, **kwargs)
+        dev, keep = self.device_type, self.keep
+        conv = _CONVERT.get(target)
+        new = []
+        i = -1
+        for a in args:
+            i += 1
+            if keep and i in keep:
+                pass
+            elif isinstance(a, Tensor):
+                if a.dtype in src and a.device.type == dev:
+                    a = conv(a) if conv is not None else a.to(target)
+            elif type(a) in (list, tuple) and a and isinstance(a[0], Tensor):
+                items = []
+                for t in a:
+                    if isinstance(t, Tensor) and t.dtype in src and t.device.type == dev:
+                        t = conv(t) if conv is not None else t.to(target)
+                    items.append(t)
+                a = type(a)(items)
+            new.append(a)
+        if not kwargs:
+            return func(*new)
+        named = {}
+        for k, v in kwargs.items():
+            if isinstance(v, Tensor) and v.dtype in src and v.device.type == dev and k not in keep:
+                v = conv(v) if conv is not None else v.to(target)
+            named[k] = v
+        return func(*new, **named)
+
 
 class LowerRule(Rule):
     """LOWER: eligible inputs to the low dtype (weights through the per-region cache)."""
@@ -218,6 +255,8 @@ class LowerRule(Rule):
     category = OpCategory.LOWER
 
     def __call__(self, mode, func, args, kwargs):
+        if dynamo_tracing() and not self.restore:
+            return self._traced_cast_to(func, args, kwargs, self.low, self.src_low)
         if kwargs or self.restore or self.keep:
             return self._general(mode, func, args, kwargs)
         # The hot path (F.linear(x, w, b), x @ w, ...): positional tensors only.
@@ -283,9 +322,16 @@ class PromoteRule(Rule):
     def __call__(self, mode, func, args, kwargs):
         widest = None
         values = (*args, *kwargs.values()) if kwargs else args
+        # Traced, the eligibility test is written out: each method call dynamo inlines costs
+        # about a millisecond (see `_traced_cast_to`).
+        dev = self.device_type if dynamo_tracing() else None
         for v in values:
             for t in v if type(v) in (list, tuple) else (v,):
-                if self._eligible(t):
+                if (
+                    isinstance(t, Tensor) and t.dtype in _FLOATS and t.device.type == dev
+                    if dev is not None
+                    else self._eligible(t)
+                ):
                     if t.dtype is _FP32 or (widest is not None and t.dtype is not widest):
                         widest = _FP32  # torch raises on fp16 + bf16; fp32 holds both exactly
                         break
