@@ -12,8 +12,8 @@ allocated during the step, plus those that existed before it and that the step r
 That is the total torch's own memory timeline (``export_memory_timeline``) plots, summed over
 its categories, computed here from the same events in one pass instead: torch's timeline also
 sorts every tensor into a category (parameter, gradient, activation...) through a data-flow
-analysis of the whole step that took 0.1-2.5 s a row on two cores (the ResNet-50 rows the
-longest; this pass takes a tenth of that), needs the Python stack recorded (a slower profiled
+analysis of the whole step that took 0.05-5 s a row on two cores (the ResNet-50 rows the
+longest; this pass takes a tenth of that or less), needs the Python stack recorded (a slower profiled
 step), and is deprecated in torch 2.13. The test suite checks the two totals agree where torch
 still has the timeline. Two bookkeeping rules are torch's: a tensor that existed before the step
 is sized by the largest extent (sizes x strides) it was read with; a block allocated before the
@@ -22,7 +22,7 @@ size). The peak is taken after each event, so two blocks alive together, however
 count (torch's timeline takes it per microsecond).
 
 Cost: one extra step runs under the profiler (a little slower than a plain step), after a first
-warm-up step, whose one-time work is not the step's memory; reading its events takes 5-200 ms.
+warm-up step, whose one-time work is not the step's memory; reading its events takes 0.005-0.4 s.
 """
 
 from __future__ import annotations
