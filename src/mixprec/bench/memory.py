@@ -13,13 +13,13 @@ That is the total torch's own memory timeline (``export_memory_timeline``) plots
 its categories, computed here from the same events in one pass instead: torch's timeline also
 sorts every tensor into a category (parameter, gradient, activation...) through a data-flow
 analysis of the whole step that took 0.05-5 s a row on two cores (the ResNet-50 rows the
-longest; this pass takes a tenth of that or less), needs the Python stack recorded (a slower profiled
-step), and is deprecated in torch 2.13. The test suite checks the two totals agree where torch
-still has the timeline. Two bookkeeping rules are torch's: a tensor that existed before the step
-is sized by the largest extent (sizes x strides) it was read with; a block allocated before the
-step and freed during it without being read is not counted (the allocator does not report its
-size). The peak is taken after each event, so two blocks alive together, however briefly, both
-count (torch's timeline takes it per microsecond).
+longest; this pass takes a tenth of that or less), needs the Python stack recorded (a slower
+profiled step), and is deprecated in torch 2.13. The test suite checks the two totals agree
+where torch still has the timeline. Two bookkeeping rules are torch's: a tensor that existed
+before the step is sized by the largest extent (sizes x strides) it was read with; a block
+allocated before the step and freed during it without being read is not counted (the
+allocator does not report its size). The peak is taken after each event, so two blocks alive
+together, however briefly, both count (torch's timeline takes it per microsecond).
 
 Cost: one extra step runs under the profiler (a little slower than a plain step), after a first
 warm-up step, whose one-time work is not the step's memory; reading its events takes 0.005-0.4 s.
