@@ -15,11 +15,12 @@ sorts every tensor into a category (parameter, gradient, activation...) through 
 analysis of the whole step that took 0.05-5 s a row on two cores (the ResNet-50 rows the
 longest; this pass takes a tenth of that or less), needs the Python stack recorded (a slower
 profiled step), and is deprecated in torch 2.13. The test suite checks the two totals agree
-where torch still has the timeline. Two bookkeeping rules are torch's: a tensor that existed
-before the step is sized by the largest extent (sizes x strides) it was read with; a block
-allocated before the step and freed during it without being read is not counted (the
-allocator does not report its size). The peak is taken after each event, so two blocks alive
-together, however briefly, both count (torch's timeline takes it per microsecond).
+where torch still has the timeline. One bookkeeping rule is torch's: a tensor that existed
+before the step is sized by the largest extent (sizes x strides) it was read with. One is
+not: a block allocated before the step and freed during it without being read is not counted
+(the allocator reports its size only if it kept it, which depends on what ran before in the
+process). The peak is taken after each event, so two blocks alive together, however briefly,
+both count (torch's timeline takes it per microsecond).
 
 Cost: one extra step runs under the profiler (a little slower than a plain step), after a first
 warm-up step, whose one-time work is not the step's memory; reading its events takes 0.005-0.4 s.
@@ -122,9 +123,10 @@ def peak_bytes(
                 live -= fresh.pop(fields.ptr)
             elif fields.ptr in before:
                 live -= before.pop(fields.ptr)
-            else:  # existed before the step, never read: held from its start until now
-                since_start(-fields.alloc_size)
-                live += fields.alloc_size
+            # else: a block from before the step, freed unread: not counted. The allocator
+            # reports such a free only where it kept the block's size (allocated under an
+            # earlier profiler, or a stale entry at a reused address, with that entry's
+            # size), so counting it made the figure depend on the process's history.
         elif kind == _EventType.TorchOp:
             for t in _read_tensors(fields):
                 ptr = t.storage_data_ptr
