@@ -479,3 +479,51 @@ def test_a_resumed_compiled_run_equals_the_uninterrupted_one_bit_for_bit(dtype):
         assert resumed.compiled and "compiled" in resumed.reason, resumed.reason
     for k, v in whole.model.state_dict().items():
         assert torch.equal(v, resumed.model.state_dict()[k]), k
+
+
+def _accumulate_grad_copies(step: mixprec.TrainStep, x: torch.Tensor, y: torch.Tensor) -> int:
+    """How many copies autograd's AccumulateGrad made during one (compiled) step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step(x, y)
+    count = 0
+    for event in prof.events():
+        parent = event.cpu_parent
+        while event.name == "aten::copy_" and parent is not None:
+            if "AccumulateGrad" in parent.name:
+                count += 1
+                break
+            parent = parent.cpu_parent
+    return count
+
+
+@pytest.mark.slow
+def test_compiled_conv_step_returns_gradients_in_the_weights_layout():
+    # Inductor runs CPU convolutions channels-last; left on, every conv weight's gradient came
+    # back channels-last and AccumulateGrad copied it into the weight's layout each step.
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3),
+            torch.nn.Flatten(), torch.nn.Linear(8 * 4 * 4, 10),
+        )  # fmt: skip
+
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))
+    copies = {}
+    inductors = {"options": {"layout_optimization": True}}
+    for name, compile_arg in (("kept", None), ("inductor's", inductors)):
+        model = net()
+        step = mixprec.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                 F.cross_entropy, dtype="bf16", compile=compile_arg)  # fmt: skip
+        for _ in range(3):
+            step(x, y)
+        assert step.compiled, step.explain()
+        copies[name] = _accumulate_grad_copies(step, x, y)
+        assert ("layout optimization off" in step.explain()) == (name == "kept")
+    assert copies == {"kept": 0, "inductor's": 2}  # the two conv weights, copied
+    # A model with no convolution weight compiles with inductor's own settings.
+    model = _model()
+    plain = mixprec.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                              F.cross_entropy, dtype="bf16")  # fmt: skip
+    assert not any("layout" in note for note in plain.notes)

@@ -45,7 +45,13 @@ from mixprec.levels.presets import OptLevel
 from mixprec.scaling.scaler import GradScaler
 from mixprec.step import graphs
 from mixprec.step.batch import BatchError, TrainStepError, batch_message, loss_from, trim
-from mixprec.step.compiled import CountingBackend, StepUpdate, own_code, tensor_lr
+from mixprec.step.compiled import (
+    CountingBackend,
+    StepUpdate,
+    keep_weight_layouts,
+    own_code,
+    tensor_lr,
+)
 from mixprec.step.graphs import Fingerprint, StepGraph
 
 __all__ = ["CAPTURE_MODES", "BatchError", "TrainStep"]
@@ -287,6 +293,10 @@ class TrainStep:
                     self._compile_blocked.replace("running eagerly: ", "cannot compile: ")
                 )
             whole = False
+        if whole and device.type != "cuda":
+            layout_note = keep_weight_layouts(model, compile_kwargs)
+            if layout_note is not None:
+                self.notes.append(layout_note)
         self._compile_arg = compile_kwargs if whole else compile  # rebuild_forward's
         self._forward_dropped = 0  # forward graphs compiled before the last rebuild_forward
         self._loss = self._build_loss(self._compile_arg)
