@@ -14,20 +14,26 @@ this machine, with its shapes, two ways:
 - ``fp32``: the same op computed in fp32 on the same low-precision values, its result rounded to
   the low dtype.
 
-and keeps the faster. The ``fp32`` route computes what the low-precision op computes: the
-inputs are the same low-precision numbers (a product of two bf16 or fp16 values is exact in
-fp32), products are accumulated in fp32 as the 16-bit kernels do, and the result is rounded to
-the low dtype once. Results differ from the native kernel only by the order of the fp32 sums
-(about one low-precision ulp in a few elements in a thousand), and the backward follows the
-same casts, so gradients keep the low dtype where the policy put them.
+and keeps the faster. Attention has a third route, ``matmuls``: the fused kernel's arithmetic
+as two whole-matrix products (`mixprec.graph.attention`). The three are timed at each
+attention's own shapes, because which wins depends on the sequence length: on an AMD EPYC
+with avx512_bf16 (2 threads), bf16 causal attention forward and backward at 8x4x128x64 took
+5.5 ms fused, 3.9 ms fused in fp32, 3.4 ms as products; at 4x12x512x64, 56, 70 and 153 ms.
 
-What is measured is an op *family* (matrix products, convolutions, attention), once per
-process, dtype and device, at one representative size: whether a machine has 16-bit units is a
-property of the machine and the family, not of each shape, and timing every distinct shape of a
-ResNet-50 cost minutes of compile time where one probe per family costs a fraction of a second.
-A family whose two routes are within 10% keeps the native kernel. Every decision is recorded
-with the probe's timings in a `KernelChoice`, shown by `mixprec.AmpBackend.kernel_summary` and
-``TrainStep.explain()``.
+The ``fp32`` route computes what the low-precision op computes: the inputs are the same
+low-precision numbers (a product of two bf16 or fp16 values is exact in fp32), products are
+accumulated in fp32 as the 16-bit kernels do, and the result is rounded to the low dtype once.
+Results differ from the native kernel only by the order of the fp32 sums (about one
+low-precision ulp in a few elements in a thousand), and the backward follows the same casts, so
+gradients keep the low dtype where the policy put them.
+
+For the ``fp32`` route, what is measured is an op *family* (matrix products, convolutions,
+attention), once per process, dtype and device, at one representative size: whether a machine
+has 16-bit units is a property of the machine and the family, not of each shape, and timing
+every distinct shape of a ResNet-50 cost minutes of compile time where one probe per family
+costs a fraction of a second. A family whose two routes are within 10% keeps the native
+kernel. Every decision is recorded with the probe's timings in a `KernelChoice`, shown by
+`mixprec.AmpBackend.kernel_summary` and ``TrainStep.explain()``.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from torch import fx
 
 from mixprec.dtypes import dtype_name
 from mixprec.errors import PolicyError, format_options
+from mixprec.graph import attention
 
 __all__ = [
     "FAMILIES",
@@ -73,7 +80,10 @@ HEAVY_OPS: dict[Any, tuple[int, ...]] = {
 
 #: Values of ``kernels``: what each does.
 KERNEL_MODES = {
-    "auto": "measure each op family both ways on this machine (once) and keep the faster",
+    "auto": (
+        "measure each op family both ways on this machine (once) and keep the faster; "
+        "attention also against two matrix products, per shape"
+    ),
     "native": "always the op's own low-precision kernel (no measurement)",
     "fp32": "always compute heavy low-precision ops in fp32 on the low-precision values",
 }
@@ -90,10 +100,13 @@ class KernelChoice:
         op: the aten op (``'aten.linear'``).
         shapes: its input shapes, as compiled.
         dtype: the low dtype the policy put it in.
-        route: ``'native'`` or ``'fp32'``.
+        route: ``'native'``, ``'fp32'`` or (attention) ``'matmuls'``.
         native_ms, fp32_ms: the family probe's forward + backward times (one representative
-            size per family, not this op's shapes); None when not measured.
+            size per family, not this op's shapes; for attention under ``kernels='auto'``,
+            this op's own shapes); None when not measured.
         reason: the decision in words.
+        matmuls_ms: attention under ``kernels='auto'``: the forward + backward time of the
+            two-product route at this op's shapes; None otherwise.
     """
 
     op: str
@@ -103,6 +116,7 @@ class KernelChoice:
     native_ms: float | None
     fp32_ms: float | None
     reason: str
+    matmuls_ms: float | None = None
 
     def __str__(self) -> str:
         shapes = ", ".join("x".join(map(str, s)) for s in self.shapes)
@@ -144,11 +158,17 @@ def choose_kernels(gm: fx.GraphModule, device_type: str, mode: str = "auto") -> 
             continue
         if any(t.dtype != out.dtype for t in inputs):
             continue  # mixed dtypes: the op promotes; nothing to choose
-        choice = _decide(node, out.dtype, mode)
+        by_shape = mode == "auto" and FAMILIES[node.target] == "attention"
+        if by_shape and attention.decomposable(node) is None:
+            choice = _decide_attention(node, out.dtype)
+        else:
+            choice = _decide(node, out.dtype, mode)
         choices.append(choice)
         if choice.route == "fp32":
             _rewrite(gm.graph, node, out.dtype)
-    if any(c.route == "fp32" for c in choices):
+        elif choice.route == "matmuls":
+            attention.rewrite(gm.graph, node)
+    if any(c.route != "native" for c in choices):
         gm.graph.lint()
         gm.recompile()
     return choices
@@ -243,40 +263,123 @@ def probe(family: str, low: torch.dtype) -> tuple[float, float]:
 
             return go
 
-        # Timed on a thread of its own: the caller may be compiling inside an autocast region
-        # (TrainStep's O1 forward), whose thread-local state would run the fp32 route in the
-        # low dtype too (both routes then measure the 16-bit kernel); a new thread starts with
-        # no autocast, no dispatch or function modes and gradients enabled.
-        result: list[Any] = []
-
-        def timed() -> None:
-            try:
-                result.append(_time_pair(run(False), run(True)))
-            except BaseException as err:  # re-raised in the caller's thread
-                result.append(err)
-
-        worker = threading.Thread(target=timed, name="mixprec-kernel-probe")
-        worker.start()
-        worker.join()
-        if isinstance(result[0], BaseException):
-            raise result[0]
-        _CACHE[key] = result[0]
+        _CACHE[key] = _in_own_thread(lambda: _time_pair(run(False), run(True)))
     return _CACHE[key]
 
 
+def _in_own_thread(timing: Any) -> Any:
+    """`timing()` run on a thread of its own, its result or error handed back.
+
+    The caller may be compiling inside an autocast region (TrainStep's O1 forward), whose
+    thread-local state would run an fp32 route in the low dtype too (both routes then measure
+    the 16-bit kernel); a new thread starts with no autocast, no dispatch or function modes
+    and gradients enabled.
+    """
+    result: list[Any] = []
+
+    def run() -> None:
+        try:
+            result.append(timing())
+        except BaseException as err:  # re-raised in the caller's thread
+            result.append(err)
+
+    worker = threading.Thread(target=run, name="mixprec-kernel-probe")
+    worker.start()
+    worker.join()
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
+
+
+#: (query, key, value shapes, mask shape and dtype, is_causal, scale, dtype) -> (fused, fused
+#: in fp32, two products) ms, per process.
+_ATTENTION_CACHE: dict[tuple[Any, ...], tuple[float, float, float]] = {}
+
+
+def _decide_attention(node: fx.Node, low: torch.dtype) -> KernelChoice:
+    """The fastest of three routes for the attention `node`, timed at its own shapes.
+
+    Which one wins depends on the sequence length (the products hold the whole score matrix),
+    so unlike the other families attention is measured per distinct shape, a few milliseconds
+    each: the fused 16-bit kernel, the fused kernel in fp32 on the 16-bit values, and
+    `mixprec.graph.attention.attention_by_matmuls`.
+    """
+    tensors, kwargs = attention.probe_inputs(node)
+    mask = kwargs.get("attn_mask")
+    key = (
+        *(tuple(t.shape) for t in tensors),
+        None if mask is None else (tuple(mask.shape), mask.dtype),
+        kwargs["is_causal"],
+        kwargs["scale"],
+        low,
+    )
+    if key not in _ATTENTION_CACHE:
+        fused = torch.nn.functional.scaled_dot_product_attention
+
+        def in_fp32(*qkv: torch.Tensor, **kw: Any) -> torch.Tensor:
+            return fused(*(t.float() for t in qkv), **kw).to(low)
+
+        def run(op: Any) -> Any:
+            def go() -> None:
+                inputs = [t.detach().requires_grad_() for t in tensors]
+                out = op(*inputs, **kwargs)
+                out.backward(torch.ones_like(out))
+
+            return go
+
+        order = attention.output_order(node)
+
+        def by_matmuls(*qkv: torch.Tensor, **kw: Any) -> torch.Tensor:
+            return attention.attention_by_matmuls(*qkv, **kw, dim_order=order)
+
+        routes = (run(fused), run(in_fp32), run(by_matmuls))
+        _ATTENTION_CACHE[key] = _in_own_thread(lambda: _time_routes(*routes))
+    native_ms, fp32_ms, matmuls_ms = _ATTENTION_CACHE[key]
+    name = dtype_name(low)
+    shapes = tuple(tuple(int(n) for n in t.shape) for t in _floating_inputs(node))
+    timings = (
+        f"forward and backward at these shapes: fused {name} kernel {native_ms:.3g} ms, fused "
+        f"in fp32 {fp32_ms:.3g} ms, two matrix products {matmuls_ms:.3g} ms"
+    )
+    best = min(fp32_ms, matmuls_ms)
+    if best * _MARGIN >= native_ms:
+        route, reason = "native", f"the fused {name} kernel is the fastest ({timings})"
+    elif matmuls_ms <= fp32_ms:
+        route = "matmuls"
+        reason = (
+            f"two matrix products are the fastest ({timings}): fp32 scores from the {name} "
+            f"values, fp32 softmax, {name} probabilities times v, the fused kernel's arithmetic; "
+            f"the fp32 scores are kept for backward"
+        )
+    else:
+        route = "fp32"
+        reason = (
+            f"fp32 on the same {name} values is the fastest ({timings}); the result is rounded "
+            f"to {name} as the op's own would be"
+        )
+    return KernelChoice("aten.scaled_dot_product_attention", shapes, name, route, native_ms,
+                        fp32_ms, reason, matmuls_ms)  # fmt: skip
+
+
 def _time_pair(a: Any, b: Any, rounds: int = 3) -> tuple[float, float]:
-    """Best-of-`rounds` times (ms) of `a` and `b`, run alternately after one warm-up call each
-    (a kernel's first call builds its plan): load from other processes then hits both alike."""
+    """Best-of-`rounds` times (ms) of `a` and `b` (see `_time_routes`)."""
+    first, second = _time_routes(a, b, rounds=rounds)
+    return first, second
+
+
+def _time_routes(*routes: Any, rounds: int = 3) -> tuple[float, ...]:
+    """Best-of-`rounds` times (ms) of each of `routes`, run in turn after one warm-up call each
+    (a kernel's first call builds its plan): load from other processes then hits all alike."""
     with torch.enable_grad():
-        a()
-        b()
-        best = [math.inf, math.inf]
+        for fn in routes:
+            fn()
+        best = [math.inf] * len(routes)
         for _ in range(rounds):
-            for i, fn in enumerate((a, b)):
+            for i, fn in enumerate(routes):
                 start = time.perf_counter()
                 fn()
                 best[i] = min(best[i], (time.perf_counter() - start) * 1e3)
-        return best[0], best[1]
+        return tuple(best)
 
 
 def _rewrite(graph: fx.Graph, node: fx.Node, low: torch.dtype) -> None:

@@ -1,0 +1,173 @@
+"""Attention as two matrix products, where that is faster than the fused kernel on this machine.
+
+torch's CPU ``scaled_dot_product_attention`` for bf16/fp16 inputs is a flash-attention kernel:
+it computes the scores ``q @ k^T`` from the 16-bit values with fp32 accumulation and keeps them
+in fp32, takes the softmax in fp32, rounds the probabilities to the 16-bit dtype and multiplies
+them by ``v``, block by block, never holding the whole ``L x S`` score matrix. At the sequence
+lengths small models train with, its blocks are too small to keep the matrix units busy: on an
+AMD EPYC with avx512_bf16 (2 threads; bf16 GEMMs at 4x fp32's rate), a causal 8x4x128x64 bf16
+attention took 5.2-5.3 ms forward and backward fused, 2.9 ms as the products below (eager), so
+a 4-layer GPT's step spent a quarter of its time there.
+
+`attention_by_matmuls` computes the same arithmetic with whole-matrix products: scores in fp32
+from the 16-bit values (a product of two bf16 or fp16 numbers is exact in fp32, so an fp32
+GEMM on the upcast values is the fused kernel's fp32 accumulation, summed in another order),
+the scale, the mask, an fp32 softmax, the probabilities rounded to the 16-bit dtype, times
+``v`` in a 16-bit GEMM. Its error against an fp64 reference is close to the fused kernel's
+(relative, bf16, 2x4x128x64: output 0.22-0.23% against 0.18-0.22%, four mask kinds; gradient
+of ``q`` at the shape above 0.23% against 0.25%). Its cost is
+memory: the fp32 score matrix, ``4 * batch * heads * L * S`` bytes, kept for backward, where
+the fused kernel keeps one row statistic per query.
+
+`mixprec.graph.kernels` uses it where the measurement says so: each distinct attention shape
+of a compiled graph is timed both ways once per process (forward and backward, at its own
+shapes, a few milliseconds), and the decomposition replaces the fused call only when it is
+faster by the kernels' margin and its score matrix stays under `MAX_SCORE_BYTES`. Dropout,
+grouped-query attention and nested tensors keep the fused kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import fx
+
+__all__ = [
+    "MAX_SCORE_BYTES",
+    "attention_by_matmuls",
+    "decomposable",
+    "output_order",
+    "probe_inputs",
+    "rewrite",
+    "sdpa_arguments",
+]
+
+#: Largest fp32 score matrix the decomposition may hold (bytes): beyond it, the fused kernel's
+#: memory saving matters more than its speed (and the probe itself would allocate this much).
+MAX_SCORE_BYTES = 64 * 2**20
+
+_SIGNATURE = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+              "enable_gqa")  # fmt: skip
+_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None,
+             "enable_gqa": False}  # fmt: skip
+
+
+def attention_by_matmuls(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    dim_order: tuple[int, ...] | None = None,
+) -> torch.Tensor:
+    """``scaled_dot_product_attention(query, key, value, attn_mask, 0.0, is_causal, scale)`` for
+    16-bit inputs, as two matrix products with fp32 scores and softmax (see the module doc).
+
+    A row whose every key is masked out gives zeros, as torch's own math path does.
+    `dim_order`: the output's dimensions from outermost to innermost in memory, where it must
+    be laid out as the fused kernel lays out its own (torch's CPU kernel returns a
+    ``(batch, heads, L, E)`` output stored as ``(batch, L, heads, E)``, and models may
+    ``view`` its transpose without ``contiguous()``); costs one copy of the output.
+    """
+    low = query.dtype
+    factor = 1.0 / math.sqrt(query.size(-1)) if scale is None else scale
+    scores = torch.matmul(query.float(), key.float().transpose(-2, -1)) * factor
+    if is_causal:
+        length, source = query.size(-2), key.size(-2)
+        keep = torch.ones(length, source, dtype=torch.bool, device=query.device).tril()
+        scores = scores.masked_fill(keep.logical_not(), float("-inf"))
+    if attn_mask is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(attn_mask.logical_not(), float("-inf"))
+        else:
+            scores = scores + attn_mask.float()
+        probs = torch.ops.aten._safe_softmax(scores, -1)
+    out = torch.matmul(probs.to(low), value)
+    if dim_order is None:
+        return out
+    inverse = sorted(range(len(dim_order)), key=dim_order.__getitem__)
+    return out.permute(dim_order).contiguous().permute(inverse)
+
+
+def output_order(node: fx.Node) -> tuple[int, ...] | None:
+    """The fused kernel's output layout for `node` as a dimension order, None if contiguous."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.is_contiguous():
+        return None
+    order = sorted(range(val.dim()), key=lambda d: -val.stride(d))
+    return tuple(order)
+
+
+def sdpa_arguments(node: fx.Node) -> dict[str, Any]:
+    """The arguments of an ``aten.scaled_dot_product_attention`` node, by name."""
+    named = dict(_DEFAULTS)
+    named.update(zip(_SIGNATURE, node.args, strict=False))
+    named.update(node.kwargs)
+    return named
+
+
+def decomposable(node: fx.Node) -> str | None:
+    """Why `node` (an SDPA call with 16-bit fake values) must keep the fused kernel, or None."""
+    args = sdpa_arguments(node)
+    vals = [getattr(args[n], "meta", {}).get("val") for n in ("query", "key", "value")]
+    if not all(isinstance(v, torch.Tensor) for v in vals):
+        return "its inputs carry no shapes"
+    query, key, _ = vals
+    if args["dropout_p"] != 0.0:
+        return "it applies dropout (the fused kernel draws its own mask)"
+    if args["enable_gqa"]:
+        return "grouped-query attention (enable_gqa=True)"
+    if query.is_nested or query.dim() < 3 or query.shape[:-2] != key.shape[:-2]:
+        return "its query and key batch shapes differ (broadcasting or nested inputs)"
+    if args["attn_mask"] is not None and args["is_causal"]:
+        return "both attn_mask and is_causal are given"
+    nbytes = 4 * query.shape[:-1].numel() * key.shape[-2]
+    if nbytes > MAX_SCORE_BYTES:
+        return (
+            f"its fp32 score matrix would take {nbytes / 2**20:.0f} MiB (more than "
+            f"{MAX_SCORE_BYTES // 2**20} MiB): the fused kernel never holds it"
+        )
+    return None
+
+
+def probe_inputs(node: fx.Node) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    """Random real tensors with `node`'s shapes and dtypes, and its other arguments."""
+    args = sdpa_arguments(node)
+    g = torch.Generator().manual_seed(0)
+    tensors = []
+    for name in ("query", "key", "value"):
+        val = args[name].meta["val"]
+        tensors.append((torch.randn(tuple(val.shape), generator=g) * 0.5).to(val.dtype))
+    kwargs: dict[str, Any] = {"is_causal": bool(args["is_causal"]), "scale": args["scale"]}
+    mask = args["attn_mask"]
+    if isinstance(mask, fx.Node):
+        val = mask.meta["val"]
+        if val.dtype == torch.bool:
+            kwargs["attn_mask"] = torch.rand(tuple(val.shape), generator=g) > 0.2
+        else:
+            kwargs["attn_mask"] = torch.zeros(tuple(val.shape), dtype=val.dtype)
+    return tensors, kwargs
+
+
+def rewrite(graph: fx.Graph, node: fx.Node) -> None:
+    """Replace the SDPA call `node` by `attention_by_matmuls` on the same arguments."""
+    args = sdpa_arguments(node)
+    with graph.inserting_before(node):
+        new = graph.call_function(
+            attention_by_matmuls,
+            (args["query"], args["key"], args["value"]),
+            {
+                "attn_mask": args["attn_mask"],
+                "is_causal": bool(args["is_causal"]),
+                "scale": args["scale"],
+                "dim_order": output_order(node),
+            },
+        )
+    new.meta.update(node.meta)
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
