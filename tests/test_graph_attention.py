@@ -151,3 +151,19 @@ def test_the_fused_kernel_stays_where_the_products_cannot_stand_in(monkeypatch):
         arg.meta["val"] = val
     assert "MiB" in attention.decomposable(node)
     kernels._ATTENTION_CACHE.clear()
+
+
+def test_the_real_probe_times_three_routes_once_per_shape():
+    kernels._ATTENTION_CACHE.clear()
+    q, k, v = (t.detach() for t in _qkv())
+    for _ in range(2):  # the second graph reuses the first one's timings
+        torch._dynamo.reset()
+        amp = mixprec.AmpBackend(dtype="bf16", backend="eager", kernels="auto")
+        out = torch.compile(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True),
+                            backend=amp)(q, k, v)  # fmt: skip
+        (choice,) = amp.kernel_choices
+        assert out.dtype == torch.bfloat16
+        assert min(choice.native_ms, choice.fp32_ms, choice.matmuls_ms) > 0
+        assert choice.route in ("native", "fp32", "matmuls") and "at these shapes" in choice.reason
+    assert len(kernels._ATTENTION_CACHE) == 1
+    kernels._ATTENTION_CACHE.clear()

@@ -6,24 +6,26 @@ in fp32, takes the softmax in fp32, rounds the probabilities to the 16-bit dtype
 them by ``v``, block by block, never holding the whole ``L x S`` score matrix. At the sequence
 lengths small models train with, its blocks are too small to keep the matrix units busy: on an
 AMD EPYC with avx512_bf16 (2 threads; bf16 GEMMs at 4x fp32's rate), a causal 8x4x128x64 bf16
-attention took 5.2-5.3 ms forward and backward fused, 2.9 ms as the products below (eager), so
-a 4-layer GPT's step spent a quarter of its time there.
+attention took 5.2-5.6 ms forward and backward fused, 2.3-3.7 ms as the products below (eager),
+and a 4-layer GPT's compiled step (`benchmarks/cpu_step.py`'s gpt2) ran at 1.45x torch.amp
+eager with them against 1.22x with the fused kernel in fp32 (one process, routes forced).
 
 `attention_by_matmuls` computes the same arithmetic with whole-matrix products: scores in fp32
 from the 16-bit values (a product of two bf16 or fp16 numbers is exact in fp32, so an fp32
 GEMM on the upcast values is the fused kernel's fp32 accumulation, summed in another order),
-the scale, the mask, an fp32 softmax, the probabilities rounded to the 16-bit dtype, times
-``v`` in a 16-bit GEMM. Its error against an fp64 reference is close to the fused kernel's
-(relative, bf16, 2x4x128x64: output 0.22-0.23% against 0.18-0.22%, four mask kinds; gradient
-of ``q`` at the shape above 0.23% against 0.25%). Its cost is
-memory: the fp32 score matrix, ``4 * batch * heads * L * S`` bytes, kept for backward, where
-the fused kernel keeps one row statistic per query.
+the scale, the mask (an additive bias the scores' GEMM starts from), an fp32 softmax, the
+probabilities rounded to the 16-bit dtype, times ``v`` in a 16-bit GEMM. Its error against an
+fp64 reference is close to the fused kernel's (relative, bf16, 2x4x128x64: output 0.22-0.23%
+against 0.18-0.22%, four mask kinds; gradient of ``q`` at the shape above 0.23% against
+0.25%). Its cost is memory: the fp32 score matrix, ``4 * batch * heads * L * S`` bytes, kept
+for backward, where the fused kernel keeps one row statistic per query.
 
 `mixprec.graph.kernels` uses it where the measurement says so: each distinct attention shape
-of a compiled graph is timed both ways once per process (forward and backward, at its own
-shapes, a few milliseconds), and the decomposition replaces the fused call only when it is
-faster by the kernels' margin and its score matrix stays under `MAX_SCORE_BYTES`. Dropout,
-grouped-query attention and nested tensors keep the fused kernel.
+of a compiled graph is timed three ways (fused, fused in fp32, products) once per process
+(forward and backward, at its own shapes, a few milliseconds), and the products replace the
+fused call only when they are the fastest by the kernels' margin and the score matrix stays
+under `MAX_SCORE_BYTES`. Dropout, grouped-query attention and nested tensors keep the fused
+kernel.
 """
 
 from __future__ import annotations
@@ -74,20 +76,34 @@ def attention_by_matmuls(
     """
     low = query.dtype
     factor = 1.0 / math.sqrt(query.size(-1)) if scale is None else scale
-    scores = torch.matmul(query.float(), key.float().transpose(-2, -1)) * factor
+    batch, length, source = query.shape[:-2], query.size(-2), key.size(-2)
+    # The mask as an additive bias (0 or -inf) that the scores' GEMM starts from, and the
+    # scale as its alpha: one kernel where a product, a multiplication and a masked fill
+    # would each make a pass over the L x S scores.
+    bias, beta = torch.zeros((), device=query.device), 1.0
     if is_causal:
-        length, source = query.size(-2), key.size(-2)
-        keep = torch.ones(length, source, dtype=torch.bool, device=query.device).tril()
-        scores = scores.masked_fill(keep.logical_not(), float("-inf"))
+        above = torch.ones(length, source, dtype=torch.bool, device=query.device).triu(1)
+        bias = torch.zeros(length, source, device=query.device).masked_fill(above, -math.inf)
+    elif attn_mask is not None and attn_mask.dtype == torch.bool:
+        bias = torch.zeros(attn_mask.shape, device=query.device)
+        bias = bias.masked_fill(attn_mask.logical_not(), -math.inf)
+    elif attn_mask is not None:
+        bias = attn_mask.float()
+    else:
+        beta = 0.0  # no mask: the GEMM ignores the bias
+    if bias.dim() > 2 and bias.shape[:-2].numel() == 1:
+        bias = bias.reshape(bias.shape[-2:])
+    elif bias.dim() > 2:  # a per-batch mask: one bias matrix per (batch, head)
+        bias = bias.expand(*batch, length, source).reshape(-1, length, source)
+    scores = torch.baddbmm(bias, query.float().reshape(-1, length, query.size(-1)),
+                           key.float().reshape(-1, source, key.size(-1)).transpose(1, 2),
+                           beta=beta, alpha=factor)  # fmt: skip
     if attn_mask is None:
         probs = torch.softmax(scores, dim=-1)
     else:
-        if attn_mask.dtype == torch.bool:
-            scores = scores.masked_fill(attn_mask.logical_not(), float("-inf"))
-        else:
-            scores = scores + attn_mask.float()
         probs = torch.ops.aten._safe_softmax(scores, -1)
-    out = torch.matmul(probs.to(low), value)
+    out = torch.bmm(probs.to(low), value.reshape(-1, source, value.size(-1)))
+    out = out.view(*batch, length, value.size(-1))
     if dim_order is None:
         return out
     inverse = sorted(range(len(dim_order)), key=dim_order.__getitem__)

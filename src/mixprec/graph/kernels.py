@@ -18,7 +18,7 @@ and keeps the faster. Attention has a third route, ``matmuls``: the fused kernel
 as two whole-matrix products (`mixprec.graph.attention`). The three are timed at each
 attention's own shapes, because which wins depends on the sequence length: on an AMD EPYC
 with avx512_bf16 (2 threads), bf16 causal attention forward and backward at 8x4x128x64 took
-5.5 ms fused, 3.9 ms fused in fp32, 3.4 ms as products; at 4x12x512x64, 56, 70 and 153 ms.
+5.6 ms fused, 4.1 ms fused in fp32, 3.7 ms as products; at 4x12x512x64, 58, 67 and 100 ms.
 
 The ``fp32`` route computes what the low-precision op computes: the inputs are the same
 low-precision numbers (a product of two bf16 or fp16 values is exact in fp32), products are
