@@ -167,3 +167,27 @@ def test_the_real_probe_times_three_routes_once_per_shape():
         assert choice.route in ("native", "fp32", "matmuls") and "at these shapes" in choice.reason
     assert len(kernels._ATTENTION_CACHE) == 1
     kernels._ATTENTION_CACHE.clear()
+
+
+def test_the_scores_backward_keeps_the_16_bit_inputs_and_a_learned_mask_gets_its_gradient():
+    q, k, v = _qkv()
+    saved = []
+
+    def pack(t):
+        saved.append((t.dtype, t.numel()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = attention_by_matmuls(q, k, v, is_causal=True)
+    out.float().sum().backward()
+    # No fp32 copy of q or k is kept for backward (autograd through q.float() @ k.float()
+    # would keep both, and run the backward's two GEMMs in fp32).
+    assert (torch.float32, q.numel()) not in saved
+    assert q.grad.dtype == k.grad.dtype == torch.bfloat16
+    mask = torch.randn(T, T, generator=torch.Generator().manual_seed(4)).requires_grad_()
+    grads = []
+    for fn in (F.scaled_dot_product_attention, attention_by_matmuls):
+        mask.grad = None
+        fn(*(t.detach() for t in (q, k, v)), attn_mask=mask.bfloat16()).float().sum().backward()
+        grads.append(mask.grad.clone())
+    torch.testing.assert_close(grads[1], grads[0], rtol=0.05, atol=0.05)

@@ -7,18 +7,20 @@ them by ``v``, block by block, never holding the whole ``L x S`` score matrix. A
 lengths small models train with, its blocks are too small to keep the matrix units busy: on an
 AMD EPYC with avx512_bf16 (2 threads; bf16 GEMMs at 4x fp32's rate), a causal 8x4x128x64 bf16
 attention took 5.2-5.6 ms forward and backward fused, 2.3-3.7 ms as the products below (eager),
-and a 4-layer GPT's compiled step (`benchmarks/cpu_step.py`'s gpt2) ran at 1.45x torch.amp
-eager with them against 1.22x with the fused kernel in fp32 (one process, routes forced).
+and a 4-layer GPT's compiled step (`benchmarks/cpu_step.py`'s gpt2) ran at 1.54x torch.amp
+eager with them against 1.23x with the fused kernel in fp32 (one process, routes forced).
 
 `attention_by_matmuls` computes the same arithmetic with whole-matrix products: scores in fp32
 from the 16-bit values (a product of two bf16 or fp16 numbers is exact in fp32, so an fp32
 GEMM on the upcast values is the fused kernel's fp32 accumulation, summed in another order),
 the scale, the mask (an additive bias the scores' GEMM starts from), an fp32 softmax, the
 probabilities rounded to the 16-bit dtype, times ``v`` in a 16-bit GEMM. Its error against an
-fp64 reference is close to the fused kernel's (relative, bf16, 2x4x128x64: output 0.22-0.23%
-against 0.18-0.22%, four mask kinds; gradient of ``q`` at the shape above 0.23% against
-0.25%). Its cost is memory: the fp32 score matrix, ``4 * batch * heads * L * S`` bytes, kept
-for backward, where the fused kernel keeps one row statistic per query.
+fp64 reference is close to the fused kernel's (relative, bf16, causal 2x4x128x64: output
+0.22% against 0.19%, gradients of q, k, v 0.28%, 0.28%, 0.23% against 0.26%, 0.36%, 0.34%).
+The scores' backward rounds their gradient to the 16-bit dtype and multiplies it in 16-bit
+GEMMs with fp32 accumulation (`_Scores`), keeping the 16-bit q and k rather than fp32 copies.
+Its cost is memory: the fp32 score matrix, ``4 * batch * heads * L * S`` bytes, kept for
+backward, where the fused kernel keeps one row statistic per query.
 
 `mixprec.graph.kernels` uses it where the measurement says so: each distinct attention shape
 of a compiled graph is timed three ways (fused, fused in fp32, products) once per process
@@ -95,9 +97,13 @@ def attention_by_matmuls(
         bias = bias.reshape(bias.shape[-2:])
     elif bias.dim() > 2:  # a per-batch mask: one bias matrix per (batch, head)
         bias = bias.expand(*batch, length, source).reshape(-1, length, source)
-    scores = torch.baddbmm(bias, query.float().reshape(-1, length, query.size(-1)),
-                           key.float().reshape(-1, source, key.size(-1)).transpose(1, 2),
-                           beta=beta, alpha=factor)  # fmt: skip
+    q3 = query.reshape(-1, length, query.size(-1))
+    k3 = key.reshape(-1, source, key.size(-1))
+    if bias.requires_grad:  # a learned float mask: plain autograd, which also differentiates it
+        scores = torch.baddbmm(bias, q3.float(), k3.float().transpose(1, 2), beta=beta,
+                               alpha=factor)  # fmt: skip
+    else:
+        scores = _Scores.apply(q3, k3, bias, beta, factor)
     if attn_mask is None:
         probs = torch.softmax(scores, dim=-1)
     else:
@@ -108,6 +114,32 @@ def attention_by_matmuls(
         return out
     inverse = sorted(range(len(dim_order)), key=dim_order.__getitem__)
     return out.permute(dim_order).contiguous().permute(inverse)
+
+
+class _Scores(torch.autograd.Function):
+    """``beta * bias + alpha * q @ k^T`` in fp32 from 16-bit ``q``, ``k`` (3-D); the backward
+    in 16-bit arithmetic: the scores' gradient (times alpha) rounded to the 16-bit dtype, then
+    16-bit GEMMs with fp32 accumulation for the gradients of ``q`` and ``k``.
+
+    Autograd through the fp32 product would run those two GEMMs in fp32 (at a quarter of the
+    bf16 rate on a CPU with bf16 units) and keep fp32 copies of ``q`` and ``k`` for them; this
+    keeps the 16-bit tensors themselves.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, beta: float,
+                alpha: float) -> torch.Tensor:  # fmt: skip
+        ctx.save_for_backward(q, k)
+        ctx.alpha = alpha
+        return torch.baddbmm(bias, q.float(), k.float().transpose(1, 2), beta=beta, alpha=alpha)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k = ctx.saved_tensors
+        low = (grad * ctx.alpha).to(q.dtype)
+        dq = torch.bmm(low, k) if ctx.needs_input_grad[0] else None
+        dk = torch.bmm(low.transpose(1, 2), q) if ctx.needs_input_grad[1] else None
+        return dq, dk, None, None, None
 
 
 def output_order(node: fx.Node) -> tuple[int, ...] | None:
