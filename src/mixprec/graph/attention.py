@@ -26,8 +26,9 @@ backward, where the fused kernel keeps one row statistic per query.
 of a compiled graph is timed three ways (fused, fused in fp32, products) once per process
 (forward and backward, at its own shapes, a few milliseconds), and the products replace the
 fused call only when they are the fastest by the kernels' margin and the score matrix stays
-under `MAX_SCORE_BYTES`. Dropout, grouped-query attention and nested tensors keep the fused
-kernel.
+under `MAX_SCORE_BYTES`. Dropout, grouped-query attention and nested tensors keep the
+attention family's route (the fused kernel, or the fused kernel in fp32 where the family's
+probe chose it).
 """
 
 from __future__ import annotations
@@ -82,12 +83,13 @@ def attention_by_matmuls(
     # The mask as an additive bias (0 or -inf) that the scores' GEMM starts from, and the
     # scale as its alpha: one kernel where a product, a multiplication and a masked fill
     # would each make a pass over the L x S scores.
-    bias, beta = torch.zeros((), device=query.device), 1.0
+    fp32 = {"dtype": torch.float32, "device": query.device}
+    bias, beta = torch.zeros((), **fp32), 1.0
     if is_causal:
         above = torch.ones(length, source, dtype=torch.bool, device=query.device).triu(1)
-        bias = torch.zeros(length, source, device=query.device).masked_fill(above, -math.inf)
+        bias = torch.zeros(length, source, **fp32).masked_fill(above, -math.inf)
     elif attn_mask is not None and attn_mask.dtype == torch.bool:
-        bias = torch.zeros(attn_mask.shape, device=query.device)
+        bias = torch.zeros(attn_mask.shape, **fp32)
         bias = bias.masked_fill(attn_mask.logical_not(), -math.inf)
     elif attn_mask is not None:
         bias = attn_mask.float()
