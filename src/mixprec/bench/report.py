@@ -147,7 +147,8 @@ def render_table(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"This machine was busy while measuring (load average {before:.1f} before the run, "
             f"{after:.1f} after, on {meta['cpu_count']} CPUs): "
             "other processes slowed every step, so absolute times are high"
-            + (" and sizes shrank to fit the budget" if meta.get("budget_s") else "")
+            + (" and the sizes fitted to the budget may be smaller than a quiet machine's"
+               if meta.get("budget_s") and any(r.get("reduced") for r in rows) else "")
             + "; ratios within a block stay comparable, since its rows took turns.")  # fmt: skip
     lines += [
         "",
