@@ -192,6 +192,47 @@ def test_without_a_budget_the_default_sizes_and_steps_run(monkeypatch):
     assert not info["interleaved"] and [r["steps"] for r in rows] == [4, 4]
 
 
+@dataclass(frozen=True)
+class _Counter(Variant):
+    """A variant that counts its steps; `built` of them are taken while it is built (as the
+    compiled TrainStep row takes two to compile)."""
+
+    built: int = 0
+
+    def build(self, workload, size, device, dtype):
+        counts = size.params["counts"]
+        counts[self.name] = 0
+
+        def step():
+            counts[self.name] += 1
+            return torch.tensor(float(counts[self.name]))
+
+        for _ in range(self.built):
+            step()
+        step.built_steps = self.built
+        return step, lambda: None
+
+
+def test_every_row_reaches_its_final_loss_after_the_same_number_of_updates(monkeypatch):
+    counts: dict[str, int] = {}
+    size = WorkloadSize("size 0", 4, 1, {"counts": counts})
+    fake = Workload("fake", "counts", size, size, None, None, None, ())
+    variants = {"fp32": _Counter("fp32", "fp32", False), "O1": _Counter("O1", "O1", True),
+                "trainstep": _Counter("trainstep", "ts", True, built=2)}  # fmt: skip
+    monkeypatch.setattr(runner, "VARIANTS", variants)
+    monkeypatch.setattr(runner, "WORKLOADS", {"fake": fake})
+    monkeypatch.setattr(runner, "_flops", lambda w, size, device: 1e6)
+    monkeypatch.setattr(runner, "measure_peak", lambda d, n, s: Peak(n, 1e12, 64, 1))
+    monkeypatch.setattr(runner, "cpu_peak_mib", lambda step, held=(): (1.0, _timed(step)))
+    rows, _ = runner.run(["fake"], list(variants), device="cpu", dtype=torch.bfloat16,
+                         full=False, budget=None)  # fmt: skip
+    # The rows built without stepping took two untimed steps first: the same count for all
+    # (the final loss here is the step count), as the same timed and warm-up steps.
+    assert len(set(counts.values())) == 1, counts
+    assert {r["final_loss"] for r in rows} == {float(counts["fp32"])}
+    assert {(r["steps"], r["warmup"]) for r in rows} == {(4, 1)}
+
+
 def test_planning_estimates_match_the_counted_flops():
     from mixprec.bench.workloads import WORKLOADS
 

@@ -83,6 +83,7 @@ class _Member:
     step: Callable[[], torch.Tensor]
     cleanup: Callable[[], None]
     compile_s: float | None = None  # seconds spent compiling at build time (TrainStep)
+    built_steps: int = 0  # training steps taken while built (TrainStep's compile steps)
     warm: list[float] = field(default_factory=list)  # untimed-for-the-table steps
     times: list[float] = field(default_factory=list)
     loss: torch.Tensor | None = None
@@ -143,7 +144,8 @@ class _Workload:
         extra = {} if self.dist is None else {"dist": self.dist}
         step, cleanup = variant.build(self.workload, self.ladder[level], self.device, self.dtype,
                                       **extra)  # fmt: skip
-        return _Member(variant, step, cleanup, getattr(step, "compile_s", None))
+        return _Member(variant, step, cleanup, getattr(step, "compile_s", None),
+                       getattr(step, "built_steps", 0))  # fmt: skip
 
 
 def _start_level(w: _Workload, first: int, rate: float, allow: float) -> int:
@@ -230,6 +232,14 @@ def _time_block(
 
     if interleave:
         members = [member(v) for v in block]
+        # A row that trained while it was built (the compiled TrainStep: two steps to compile)
+        # is that many updates ahead; the others take as many untimed steps first, so every
+        # row's final loss comes after the same number of updates.
+        most = max(m.built_steps for m in members)
+        for m in members:
+            for _ in range(most - m.built_steps):
+                m.loss = m.step().detach()
+            m.built_steps = most
         for m in members:
             if len(m.warm) < pre:
                 label(f"{where}: warming up {m.variant.name}")

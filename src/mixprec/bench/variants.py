@@ -116,6 +116,7 @@ class Variant:
                 run()
                 run()
                 run.compile_s = time.perf_counter() - start  # type: ignore[attr-defined]
+                run.built_steps = 2  # type: ignore[attr-defined]  # updates made while built
             return _holding(run, model, optimizer), _noop
         level = self.name
         model, amp_opt = mixprec.initialize(model, optimizer, level, dtype=dtype)
