@@ -212,6 +212,9 @@ class _Counter(Variant):
         step.built_steps = self.built
         return step, lambda: None
 
+    def steps_when_built(self, device, distributed=False):
+        return self.built
+
 
 def test_every_row_reaches_its_final_loss_after_the_same_number_of_updates(monkeypatch):
     counts: dict[str, int] = {}
@@ -224,13 +227,15 @@ def test_every_row_reaches_its_final_loss_after_the_same_number_of_updates(monke
     monkeypatch.setattr(runner, "_flops", lambda w, size, device: 1e6)
     monkeypatch.setattr(runner, "measure_peak", lambda d, n, s: Peak(n, 1e12, 64, 1))
     monkeypatch.setattr(runner, "cpu_peak_mib", lambda step, held=(): (1.0, _timed(step)))
-    rows, _ = runner.run(["fake"], list(variants), device="cpu", dtype=torch.bfloat16,
-                         full=False, budget=None)  # fmt: skip
-    # The rows built without stepping took two untimed steps first: the same count for all
-    # (the final loss here is the step count), as the same timed and warm-up steps.
-    assert len(set(counts.values())) == 1, counts
-    assert {r["final_loss"] for r in rows} == {float(counts["fp32"])}
-    assert {(r["steps"], r["warmup"]) for r in rows} == {(4, 1)}
+    # Interleaved (the CPU default) and one after another (--full, CUDA) alike.
+    for full in (False, True):
+        rows, _ = runner.run(["fake"], list(variants), device="cpu", dtype=torch.bfloat16,
+                             full=full, budget=None)  # fmt: skip
+        # The rows built without stepping took two untimed steps first: the same count for
+        # all (the final loss here is the step count), as the same timed and warm-up steps.
+        assert len(set(counts.values())) == 1, (full, counts)
+        assert {r["final_loss"] for r in rows} == {float(counts["fp32"])}
+        assert {(r["steps"], r["warmup"]) for r in rows} == {(4, 1)}
 
 
 def test_planning_estimates_match_the_counted_flops():

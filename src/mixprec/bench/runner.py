@@ -205,6 +205,10 @@ def _time_block(
     size = w.ladder[level]
     where = f"{w.workload.name} @ {size.description}"
     end = time.perf_counter() + seconds
+    # A row that trains while it is built (the compiled TrainStep) is that many updates ahead;
+    # every other row takes as many untimed steps first, so that all rows' final losses come
+    # after the same number of updates.
+    built = max(v.steps_when_built(w.device, w.world_size > 1) for v in block)
 
     def member(v: Variant) -> _Member:
         nonlocal end
@@ -212,6 +216,9 @@ def _time_block(
         if m is None:
             label(f"{where}: {v.preparing(w.device, w.world_size > 1)}")
             m = w.build(v, level)
+        for _ in range(built - m.built_steps):
+            m.loss = m.step().detach()
+        m.built_steps = built
         if m.compile_s:  # compiling is reported on its own, outside the budget
             end += m.compile_s
             if clock is not None:
@@ -232,14 +239,6 @@ def _time_block(
 
     if interleave:
         members = [member(v) for v in block]
-        # A row that trained while it was built (the compiled TrainStep: two steps to compile)
-        # is that many updates ahead; the others take as many untimed steps first, so every
-        # row's final loss comes after the same number of updates.
-        most = max(m.built_steps for m in members)
-        for m in members:
-            for _ in range(most - m.built_steps):
-                m.loss = m.step().detach()
-            m.built_steps = most
         for m in members:
             if len(m.warm) < pre:
                 label(f"{where}: warming up {m.variant.name}")

@@ -44,6 +44,11 @@ class Variant:
         """Whether `build` compiles (the TrainStep row off CUDA, where it is not under DDP)."""
         return self.name == "trainstep" and device != "cuda" and not distributed
 
+    def steps_when_built(self, device: str, distributed: bool = False) -> int:
+        """Training steps `build` takes: the TrainStep row compiles in two (the first creates
+        the optimizer state and compiles the forward, the second compiles the update)."""
+        return 2 if self.compiles_when_built(device, distributed) else 0
+
     def preparing(self, device: str, distributed: bool = False) -> str:
         """What building this variant does, for the progress line (compiling takes minutes)."""
         if self.compiles_when_built(device, distributed):
@@ -109,14 +114,14 @@ class Variant:
                 return train_step(*batch)
 
             if self.compiles_when_built(device, ddp) and train_step.graphs_compiled == 0:
-                # Compile now (the first step creates the optimizer state and compiles the
-                # forward, the second compiles the update): the time is reported on its own,
-                # and the warm-up that follows times the compiled step.
+                # Compile now (`steps_when_built`): the time is reported on its own, and the
+                # warm-up that follows times the compiled step.
                 start = time.perf_counter()
-                run()
-                run()
+                built = self.steps_when_built(device, ddp)
+                for _ in range(built):
+                    run()
                 run.compile_s = time.perf_counter() - start  # type: ignore[attr-defined]
-                run.built_steps = 2  # type: ignore[attr-defined]  # updates made while built
+                run.built_steps = built  # type: ignore[attr-defined]
             return _holding(run, model, optimizer), _noop
         level = self.name
         model, amp_opt = mixprec.initialize(model, optimizer, level, dtype=dtype)
