@@ -45,6 +45,7 @@ __all__ = [
     "decomposable",
     "output_order",
     "probe_inputs",
+    "probe_key",
     "rewrite",
     "sdpa_arguments",
 ]
@@ -183,6 +184,21 @@ def decomposable(node: fx.Node) -> str | None:
             f"{MAX_SCORE_BYTES // 2**20} MiB): the fused kernel never holds it"
         )
     return None
+
+
+def probe_key(node: fx.Node) -> tuple[Any, ...]:
+    """What the timing of `node` depends on: its inputs' shapes and dtypes, the mask's, the
+    causal flag and the scale (a cache key; nothing is allocated)."""
+    args = sdpa_arguments(node)
+    vals = [args[n].meta["val"] for n in ("query", "key", "value")]
+    mask = args["attn_mask"]
+    mask_val = mask.meta["val"] if isinstance(mask, fx.Node) else None
+    return (
+        *((tuple(v.shape), v.dtype) for v in vals),
+        None if mask_val is None else (tuple(mask_val.shape), mask_val.dtype),
+        bool(args["is_causal"]),
+        args["scale"],
+    )
 
 
 def probe_inputs(node: fx.Node) -> tuple[list[torch.Tensor], dict[str, Any]]:

@@ -291,8 +291,7 @@ def _in_own_thread(timing: Any) -> Any:
     return result[0]
 
 
-#: (query, key, value shapes, mask shape and dtype, is_causal, scale, dtype) -> (fused, fused
-#: in fp32, two products) ms, per process.
+#: `mixprec.graph.attention.probe_key` -> (fused, fused in fp32, two products) ms, per process.
 _ATTENTION_CACHE: dict[tuple[Any, ...], tuple[float, float, float]] = {}
 
 
@@ -304,16 +303,9 @@ def _decide_attention(node: fx.Node, low: torch.dtype) -> KernelChoice:
     each: the fused 16-bit kernel, the fused kernel in fp32 on the 16-bit values, and
     `mixprec.graph.attention.attention_by_matmuls`.
     """
-    tensors, kwargs = attention.probe_inputs(node)
-    mask = kwargs.get("attn_mask")
-    key = (
-        *(tuple(t.shape) for t in tensors),
-        None if mask is None else (tuple(mask.shape), mask.dtype),
-        kwargs["is_causal"],
-        kwargs["scale"],
-        low,
-    )
+    key = attention.probe_key(node)
     if key not in _ATTENTION_CACHE:
+        tensors, kwargs = attention.probe_inputs(node)  # only when timing: they take memory
         fused = torch.nn.functional.scaled_dot_product_attention
 
         def in_fp32(*qkv: torch.Tensor, **kw: Any) -> torch.Tensor:
