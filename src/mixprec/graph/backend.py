@@ -36,6 +36,7 @@ from mixprec.eager.mode import AutocastMode
 from mixprec.errors import PolicyError, format_options
 from mixprec.graph.casts import CAST_MODES, CastReport, minimise_casts
 from mixprec.graph.kernels import KERNEL_MODES, KernelChoice, choose_kernels, summary
+from mixprec.graph.lowering import keep_whole_in
 from mixprec.graph.trace import trace_with_policy
 from mixprec.policy.categories import OpCategory
 from mixprec.policy.policy import Policy, as_policy
@@ -58,7 +59,9 @@ class AmpBackend:
         kernels: ``'auto'`` (measure each low-precision matmul, convolution and attention on
             this machine, natively and in fp32 on the same low-precision values, and keep the
             faster: CPUs without 16-bit units run the latter far faster), ``'native'`` or
-            ``'fp32'`` (see `mixprec.graph.kernels`).
+            ``'fp32'`` (see `mixprec.graph.kernels`). On a CPU, ``'auto'`` and ``'fp32'`` also
+            leave a few backward ops to torch's kernels where inductor's loop is far slower
+            (`mixprec.graph.lowering`).
 
     Attributes:
         reports: one `CastReport` per compiled graph (casts and bytes before and after, the
@@ -156,6 +159,9 @@ class AmpBackend:
         self.kernel_choices += choose_kernels(traced, device, self.kernels)
         if inner == "eager":
             return _without_torch_autocast(traced)
+        inner, whole = keep_whole_in(inner, self.backend, traced, device, self.kernels, mode,
+                                     options)  # fmt: skip
+        self.kernel_choices += whole
         # The graph carries every cast the policy wants: torch's own (dispatcher-level) autocast
         # must not apply its lists on top, neither while AOTAutograd traces it nor when it runs.
         with torch._C._DisableAutocast():

@@ -100,7 +100,8 @@ class KernelChoice:
         op: the aten op (``'aten.linear'``).
         shapes: its input shapes, as compiled.
         dtype: the low dtype the policy put it in.
-        route: ``'native'``, ``'fp32'`` or (attention) ``'matmuls'``.
+        route: ``'native'``, ``'fp32'``, (attention) ``'matmuls'``, or (a backward op left
+            to torch's kernel on a CPU, `mixprec.graph.lowering`) ``'aten'``.
         native_ms, fp32_ms: the family probe's forward + backward times (one representative
             size per family, not this op's shapes; for attention under ``kernels='auto'``,
             this op's own shapes); None when not measured.

@@ -193,12 +193,16 @@ class CountingBackend:
         on_cpu = bool(tensors) and all(t.device.type == "cpu" for t in tensors)
         if self.kernels != "native" and on_cpu and not _unkept_operators(gm):
             from mixprec.graph.kernels import choose_kernels
+            from mixprec.graph.lowering import keep_whole_in
             from mixprec.graph.trace import trace_with_policy
             from mixprec.policy.policy import Policy
 
             gm = trace_with_policy(gm, example_inputs, "cpu", torch.bfloat16, Policy(),
                                    region=False)  # fmt: skip
             self.kernel_choices += choose_kernels(gm, "cpu", self.kernels)
+            inner, whole = keep_whole_in(inner, self.backend, gm, "cpu", self.kernels, mode,
+                                         options)  # fmt: skip
+            self.kernel_choices += whole
         return gm if inner == "eager" else inner(gm, example_inputs)
 
 
