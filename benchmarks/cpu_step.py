@@ -18,6 +18,10 @@ variants take turns step by step for ``--rounds`` rounds, so a burst of load fro
 process slows all of them alike; each row reports the median and the ratio to ``torch.amp`` and
 to ``fp32`` of the same rounds.
 
+``--malloc keep`` runs every row with `mixprec.keep_cpu_memory` (freed memory kept for the next
+step); the default, ``system``, leaves the C allocator as it is. Each row reports its minor page
+faults per step (the kernel's count, ``getrusage``): fresh pages the step had to fault in.
+
 Also reported: the bf16 and fp32 matmul rates measured at the start (the share of the bf16 rate
 a step achieves says how much of the machine a row uses), and, for TrainStep rows, how many
 graphs were compiled after warm-up (0 means no recompilation; an LR schedule runs during the
@@ -35,6 +39,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -176,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schedule-steps", type=int, default=100,
                         help="TrainStep steps run under a cosine LR schedule after the timing, "
                              "counting recompilations (default: 100; 0: none)")  # fmt: skip
+    parser.add_argument("--malloc", choices=("system", "keep"), default="system",
+                        help="system: the C allocator as it is (default); keep: "
+                             "mixprec.keep_cpu_memory() first, for every row")  # fmt: skip
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (a test of the script)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
@@ -188,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: give at least 1 (default: 7)")
     name = "bf16" if dtype == torch.bfloat16 else "fp16"
+    memory = mixprec.keep_cpu_memory() if args.malloc == "keep" else None
+    if memory is not None:
+        print(memory, flush=True)
     rates = {n: measure_peak("cpu", n, 0.5 if args.smoke else 1.5) for n in ("fp32", name)}
     print(f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}: matmul "
           f"fp32 {rates['fp32'].gflops:,.0f} GFLOP/s, {name} {rates[name].gflops:,.0f} GFLOP/s",
@@ -208,12 +219,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {wname}: {v} built and warmed up in {compile_s[v]:.1f} s", flush=True)
         compiled_before = {v: ts.graphs_compiled for v, ts in trainsteps.items() if ts}
         times: dict[str, list[float]] = {v: [] for v in variants}
+        faults = dict.fromkeys(variants, 0)
         for _ in range(args.rounds):
             for v in variants:
+                before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 start = time.perf_counter()
                 loss = steps[v]()
                 loss.item()  # the step is done (on a CPU, it is anyway)
                 times[v].append(time.perf_counter() - start)
+                faults[v] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
         ref = {r: statistics.median(times[r]) for r in ("torch.amp", "fp32") if r in times}
         for v in variants:
             ms = statistics.median(times[v]) * 1e3
@@ -223,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                 "vs_torch_amp": ref["torch.amp"] * 1e3 / ms if "torch.amp" in ref else None,
                 "vs_fp32": ref["fp32"] * 1e3 / ms if "fp32" in ref else None,
                 "build_and_warmup_s": compile_s[v],
+                "page_faults_per_step": faults[v] / args.rounds,
                 "pct_of_low_matmul_rate": 100 * flops / (ms / 1e3) / rates[name].flops_per_s,
                 "graphs_compiled_after_warmup": (ts.graphs_compiled - compiled_before[v]
                                                  if ts else None),
@@ -251,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
             "cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "python": platform.python_version(), "rounds": args.rounds,
+            "malloc": str(memory) if memory is not None else "system (as the process found it)",
             "matmul_gflops": {n: p.gflops for n, p in rates.items()},
         }  # fmt: skip
         with open(args.json, "w") as f:
@@ -262,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
 def _print_table(rows: list[dict[str, Any]]) -> None:
     print(f"\n{rows[0]['workload']} ({rows[0]['dtype']}): median of the interleaved rounds")
     print(f"  {'variant':24s} {'ms/step':>9s} {'vs torch.amp':>13s} {'vs fp32':>8s} "
-          f"{'% low rate':>10s} {'warm-up s':>10s} {'recompiles':>10s}")  # fmt: skip
+          f"{'% low rate':>10s} {'warm-up s':>10s} {'recompiles':>10s} {'faults':>7s}")  # fmt: skip
     for r in rows:
         amp = f"{r['vs_torch_amp']:.2f}x" if r["vs_torch_amp"] else "-"
         fp32 = f"{r['vs_fp32']:.2f}x" if r["vs_fp32"] else "-"
@@ -270,7 +286,7 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
             str(r["graphs_compiled_after_warmup"]))  # fmt: skip
         print(f"  {r['variant']:24s} {r['ms_per_step']:9.1f} {amp:>13s} {fp32:>8s} "
               f"{r['pct_of_low_matmul_rate']:9.1f}% {r['build_and_warmup_s']:10.1f} "
-              f"{again:>10s}")  # fmt: skip
+              f"{again:>10s} {r['page_faults_per_step']:7.0f}")  # fmt: skip
 
 
 if __name__ == "__main__":

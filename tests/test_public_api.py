@@ -21,6 +21,7 @@ EXPECTED = [
     "is_autocast_enabled", "master_params", "promote_function", "scale_loss", "update_scale",
     "LowMemAdam", "LowMemAdamW", "LowMemSGD", "MemoryReport", "memory_report",
     "HealConfig", "HealMove", "Healer", "TuneReport", "tune_policy",
+    "CpuMemory", "keep_cpu_memory",
 ]  # fmt: skip
 
 

@@ -5,6 +5,7 @@ here may change without notice.
 """
 
 from mixprec._version import __version__
+from mixprec.cpu_memory import CpuMemory, keep_cpu_memory
 from mixprec.diagnostics import (
     AmpMetrics,
     ExplainReport,
@@ -64,6 +65,7 @@ __all__ = [
     "AutocastError",
     "BannedOpError",
     "CastReport",
+    "CpuMemory",
     "Decision",
     "DistributedError",
     "ExplainReport",
@@ -112,6 +114,7 @@ __all__ = [
     "half_function",
     "initialize",
     "is_autocast_enabled",
+    "keep_cpu_memory",
     "load_checkpoint",
     "master_params",
     "memory_report",
