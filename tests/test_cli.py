@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import platform
 import subprocess
 import sys
 import tempfile
@@ -64,6 +65,17 @@ def test_help_texts():
         assert word in bench, word
     train = _run("train", "--help").stdout
     assert "scikit-learn" in train and "cifar10:PATH" in train and "--seeds" in train
+
+
+def test_bench_can_keep_freed_cpu_memory(tmp_path):
+    # Forked from the preloaded server: the process-wide setting stays in that child.
+    out = _run("bench", "mlp", "--steps", "1", "--warmup", "0", "--budget", "none",
+               "--variants", "fp32,O1", "--malloc", "keep")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    if platform.libc_ver()[0] == "glibc":
+        assert "--malloc keep: CPU memory: kept: glibc" in out.stdout
+    bad = _run("bench", "mlp", "--malloc", "jemalloc")
+    assert bad.returncode == 2 and "invalid choice: 'jemalloc'" in bad.stderr
 
 
 def test_version():

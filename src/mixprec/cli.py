@@ -108,6 +108,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--full", action="store_true",
                        help="the seeds' exact sizes even on a CPU (slow there)")  # fmt: skip
+    bench.add_argument("--malloc", choices=("system", "keep"), default="system",
+                       help="CPU: 'keep' calls mixprec.keep_cpu_memory() first, so steps reuse "
+                       "freed memory instead of faulting in fresh pages (every row alike; "
+                       "default: system, the allocator as it is)")  # fmt: skip
     bench.add_argument("--json", metavar="PATH", help="write the rows as JSON records")
     bench.add_argument("--plot", metavar="PATH", help="write a PNG bar chart (needs matplotlib)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -489,6 +493,11 @@ def _bench(args: argparse.Namespace) -> int:
     launched = _launch(args)
     if launched is not None:
         return launched
+    memory = None
+    if args.malloc == "keep" and device == "cpu":
+        from mixprec.cpu_memory import keep_cpu_memory
+
+        memory = keep_cpu_memory()
     with _join(device) as ctx:
         progress = _Progress(1 + len(workloads) * len(variants),
                              not args.no_progress and ctx.is_main, "bench")  # fmt: skip
@@ -502,6 +511,8 @@ def _bench(args: argparse.Namespace) -> int:
     if not ctx.is_main:
         return 0
     meta = {**report.metadata(device), **info, "world_size": ctx.world_size}
+    if memory is not None:
+        meta["malloc"] = str(memory)
     print(report.render_table(rows, meta))
     if args.json:
         report.write_json(args.json, rows, meta)

@@ -141,6 +141,8 @@ def render_table(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
     if meta.get("statement"):
         lines += wrap.wrap("What this machine can show: " + meta["statement"])
     lines += wrap.wrap(_sizes_sentence(rows, meta))
+    if meta.get("malloc"):
+        lines += wrap.wrap(f"--malloc keep: {meta['malloc']}.")
     if _busy(meta) and rows and rows[0]["device"] == "cpu":
         before, after = meta["load_average_before"], meta["load_average_after"]
         lines += wrap.wrap(
