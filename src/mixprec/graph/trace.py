@@ -31,7 +31,67 @@ from mixprec.dtypes import DEVICE_TYPES
 from mixprec.eager.autocast import autocast
 from mixprec.policy.policy import Policy
 
-__all__ = ["trace_with_policy"]
+__all__ = ["computes_gradients", "lift_tensor_attributes", "trace_with_policy", "with_lifted"]
+
+
+def computes_gradients(gm: fx.GraphModule) -> bool:
+    """Whether `gm` calls ``torch.autograd.grad`` itself (a whole training step in one graph,
+    `mixprec.step.whole`): its backward is part of the graph, not derived after it."""
+    return any(
+        node.op == "call_function" and node.target is torch.autograd.grad for node in gm.graph.nodes
+    )
+
+
+def lift_tensor_attributes(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[torch.Tensor]]:
+    """A copy of `gm` whose tensor attributes are trailing inputs, and their values (`gm`
+    itself stays as dynamo made it: dynamo reads its inputs' records after the backend).
+
+    dynamo hands an optimizer's state to the graph as attributes (static tensors), not inputs.
+    Recorded under a fake mode, a real attribute would meet fake values in the same op (and
+    turned fake, it would be baked into the recording as a constant without data), so a graph
+    that updates them, as a whole training step does, takes them as inputs instead;
+    `with_lifted` passes their values at each call.
+    """
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    gm = fx.GraphModule(gm, graph)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    anchor = placeholders[-1] if placeholders else None
+    values: list[torch.Tensor] = []
+    for node in list(gm.graph.nodes):
+        if node.op != "get_attr":
+            continue
+        value = gm
+        for part in str(node.target).split("."):
+            value = getattr(value, part)
+        if not isinstance(value, torch.Tensor):
+            continue
+        if anchor is None:
+            with gm.graph.inserting_before(next(iter(gm.graph.nodes))):
+                anchor = gm.graph.placeholder(f"mixprec_lifted_{len(values)}")
+        else:
+            with gm.graph.inserting_after(anchor):
+                anchor = gm.graph.placeholder(f"mixprec_lifted_{len(values)}")
+        anchor.meta = dict(node.meta)
+        node.replace_all_uses_with(anchor)
+        gm.graph.erase_node(node)
+        values.append(value)
+    if values:
+        gm.graph.lint()
+        gm.recompile()
+    return gm, values
+
+
+def with_lifted(compiled: Any, values: list[torch.Tensor]) -> Any:
+    """`compiled` (of a graph `lift_tensor_attributes` changed) called as the original was:
+    the lifted values are appended to each call's arguments."""
+    if not values:
+        return compiled
+
+    def run(*args: Any) -> Any:  # as dynamo calls a backend's result: unboxed
+        return compiled(*args, *values)
+
+    return run
 
 
 def trace_with_policy(
@@ -68,11 +128,17 @@ def trace_with_policy(
         with autocast(device_type, dtype=dtype, policy=policy):
             return interpreter.run(*args)
 
+    # A graph that computes its own gradients is recorded below autograd: the backward's ops
+    # then take the recorded forward values as inputs (above autograd, make_fx would see them
+    # reach the backward's kernels untracked). Composites appear decomposed there (``linear``
+    # as ``t`` and ``addmm``), and the graph needs no gradient of its own.
+    whole = computes_gradients(gm)
+    keep = (lambda traced, inputs: traced) if whole else _inputs_keep_requires_grad
     fake_mode = detect_fake_mode(example_inputs)
     if fake_mode is None:
         with fx_traceback.preserve_node_meta():
-            traced = make_fx(run, pre_dispatch=True, tracing_mode="fake")(*example_inputs)
-        return _inputs_keep_requires_grad(traced, example_inputs)
+            traced = make_fx(run, pre_dispatch=not whole, tracing_mode="fake")(*example_inputs)
+        return keep(traced, example_inputs)
     # Dynamo's own fake mode (and its shape environment): symbolic sizes stay symbolic.
     fakes = [
         fake_mode.from_tensor(t)
@@ -81,8 +147,8 @@ def trace_with_policy(
         for t in example_inputs
     ]
     with fake_mode, fx_traceback.preserve_node_meta():
-        traced = make_fx(run, pre_dispatch=True, tracing_mode="real")(*fakes)
-    return _inputs_keep_requires_grad(traced, fakes)
+        traced = make_fx(run, pre_dispatch=not whole, tracing_mode="real")(*fakes)
+    return keep(traced, fakes)
 
 
 def _inputs_keep_requires_grad(traced: fx.GraphModule, inputs: list[Any]) -> fx.GraphModule:

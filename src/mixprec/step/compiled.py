@@ -191,7 +191,18 @@ class CountingBackend:
         inner = _inner_backend(self.backend, mode, options)
         tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
         on_cpu = bool(tensors) and all(t.device.type == "cpu" for t in tensors)
-        if self.kernels != "native" and on_cpu and not _unkept_operators(gm):
+        from mixprec.graph.trace import computes_gradients
+
+        own_gradients = computes_gradients(gm)  # before the re-trace records the backward
+        retraced = self.kernels != "native" and on_cpu and not _unkept_operators(gm)
+        lifted: list[torch.Tensor] = []
+        if retraced and own_gradients:
+            from mixprec.graph.backend import _fakes_like
+            from mixprec.graph.trace import lift_tensor_attributes
+
+            gm, lifted = lift_tensor_attributes(gm)
+            example_inputs = [*example_inputs, *_fakes_like(example_inputs, lifted)]
+        if retraced:
             from mixprec.graph.kernels import choose_kernels
             from mixprec.graph.lowering import keep_whole_in
             from mixprec.graph.trace import trace_with_policy
@@ -200,10 +211,18 @@ class CountingBackend:
             gm = trace_with_policy(gm, example_inputs, "cpu", torch.bfloat16, Policy(),
                                    region=False)  # fmt: skip
             self.kernel_choices += choose_kernels(gm, "cpu", self.kernels)
-            inner, whole = keep_whole_in(inner, self.backend, gm, "cpu", self.kernels, mode,
-                                         options)  # fmt: skip
-            self.kernel_choices += whole
-        return gm if inner == "eager" else inner(gm, example_inputs)
+            inner, kept = keep_whole_in(inner, self.backend, gm, "cpu", self.kernels, mode,
+                                        options)  # fmt: skip
+            self.kernel_choices += kept
+        if not (retraced and own_gradients):
+            return gm if inner == "eager" else inner(gm, example_inputs)
+        # Recorded with its backward: nothing left to derive, and parameters updated in place.
+        from mixprec.graph.backend import _no_grad
+        from mixprec.graph.trace import with_lifted
+
+        with torch.no_grad():
+            compiled = gm if inner == "eager" else inner(gm, example_inputs)
+        return with_lifted(_no_grad(compiled), lifted)
 
 
 def _raw_step(optimizer: torch.optim.Optimizer) -> tuple[Callable[..., Any], bool]:
@@ -372,6 +391,22 @@ class StepUpdate:
         if everyone:
             self._complete_at = key
         return True
+
+    def state_complete(self) -> bool:
+        """Whether every trainable parameter of the optimizer has its state, or is known to
+        keep none (checked before a step, when no gradient says which will train)."""
+        inner = self.optimizer.optimizer
+        stateless = self._stateless
+        scaler = self.optimizer.scaler
+        if scaler is not None and scaler.is_enabled():
+            guard = scaler._guard(inner)
+            stateless = stateless | {k for k, ref in guard._stateless.items() if ref() is not None}
+        return all(
+            inner.state.get(p) or id(p) in stateless
+            for group in inner.param_groups
+            for p in group["params"]
+            if p.requires_grad
+        )
 
     def eager(self) -> None:
         """The same update, op by op (after a plain scaled backward); notes stateless params."""

@@ -53,6 +53,7 @@ from mixprec.step.compiled import (
     tensor_lr,
 )
 from mixprec.step.graphs import Fingerprint, StepGraph
+from mixprec.step.whole import WholeStep, trace_flag, whole_backend
 
 __all__ = ["CAPTURE_MODES", "BatchError", "TrainStep"]
 
@@ -100,7 +101,8 @@ class TrainStep:
             arguments (``mode``, ``options``, ``dynamic``); it may also name the inner
             ``backend`` and, under O1, the ``casts`` mode of `mixprec.AmpBackend`, which
             applies the opt level's policy to the whole forward graph, so the loss follows
-            the policy too.
+            the policy too; ``one_graph=False`` keeps the step in two graphs off CUDA
+            (`mixprec.step.whole` says when it is one).
         warmup: eager steps per input signature before capturing it, counted while the
             optimizer's hyperparameters stay unchanged (lazy initialisation, cuDNN autotuning
             and compilation happen there).
@@ -184,15 +186,16 @@ class TrainStep:
                 f"of torch.compile arguments, e.g. compile={{'mode': {compile!r}}}."
             )
         if isinstance(compile, dict):
-            valid = [*COMPILE_KEYS, "casts", "kernels"]
+            valid = [*COMPILE_KEYS, "casts", "kernels", "one_graph"]
             unknown = [k for k in compile if k not in valid]
             if unknown:
                 close = difflib.get_close_matches(str(unknown[0]), valid, n=1)
                 raise PolicyError(
                     f"TrainStep compile= has unknown key {unknown[0]!r}."
                     + (f" Did you mean {close[0]!r}?" if close else "")
-                    + f" Valid keys: {format_options(valid)} (torch.compile's arguments, and "
-                    f"mixprec's graph pass settings casts= and kernels=)."
+                    + f" Valid keys: {format_options(valid)} (torch.compile's arguments, "
+                    f"mixprec's graph pass settings casts= and kernels=, and one_graph=False "
+                    f"for the two-graph step)."
                 )
         if capture == "compile" and compile is False:
             raise PolicyError(
@@ -282,6 +285,7 @@ class TrainStep:
         # The whole step compiled: forward and loss here, everything after backward in
         # `StepUpdate` (built now, compiled at its first call, after the warm-up step).
         compile_kwargs = dict(compile) if isinstance(compile, dict) else {}
+        one_graph = compile_kwargs.pop("one_graph", True)
         self._compile_blocked: str | None = None
         if whole and (isinstance(model, DistributedDataParallel) or is_initialized()):
             self._compile_blocked = (
@@ -313,6 +317,22 @@ class TrainStep:
             self._update = StepUpdate(optimizer, self._clip, update_kwargs)
             for note in tensor_lr(optimizer.optimizer):
                 self.notes.append(note)
+        # The whole step as one graph (`mixprec.step.whole`): built at the first step that
+        # starts with the optimizer's state in place; `_whole_off` says why not, where not.
+        self._whole: WholeStep | None = None
+        self._whole_off: str | None = None
+        if not one_graph:
+            self._whole_off = "compile={'one_graph': False} was requested"
+        elif not whole or self._update is None:
+            self._whole_off = "no compiled update"
+        elif self._device.type == "cuda":
+            self._whole_off = "on CUDA the compiled step is recorded into a CUDA graph as it is"
+        else:
+            self._whole_off = trace_flag()
+        if self._whole_off is None and self._update is not None and self._update.split:
+            self._whole_off = f"the update is more than one graph ({self._update.split})"
+        self._update_ran = False  # the compiled update ran in the last two-graph step
+        self._whole_last = False  # the last step ran as one graph
         if isinstance(model, DistributedDataParallel) and warmup < ddp_rules.DDP_WARMUP:
             warmup = ddp_rules.DDP_WARMUP
             self.notes.append(
@@ -423,6 +443,9 @@ class TrainStep:
             self._forward_dropped += self._forward_backend.compiles
         self.amp_backend = None
         self._forward_backend = None
+        if self._whole is not None:
+            self._forward_dropped += self._whole.compiles
+        self._whole, self._update_ran = None, False  # rebuilt from the new forward
         compiled = self._eager_loss is not self._loss
         self._loss = self._build_loss(self._compile_arg)
         self._eager_loss = self._build_loss(False) if compiled else self._loss
@@ -439,6 +462,11 @@ class TrainStep:
     def _body(self, *batch: Any) -> torch.Tensor:
         opt = self.optimizer
         update = self._compiled_path()
+        whole = self._whole_step(update)
+        if whole is not None:
+            loss = self._run_whole(whole, batch)
+            if loss is not None:
+                return loss
         if update is not None:
             update.zero_grad()
         else:
@@ -465,6 +493,7 @@ class TrainStep:
                 update()
             else:
                 update.eager()
+            self._update_ran, self._whole_last = self.compiled, False
             return loss.detach()
         with scale_loss(loss, opt) as scaled:
             scaled.backward()
@@ -475,6 +504,72 @@ class TrainStep:
         # start of the next, where initialize's deferred update would put it.
         opt._scaling.flush()
         return loss.detach()
+
+    def _whole_step(self, update: StepUpdate | None) -> WholeStep | None:
+        """The `WholeStep` when this step runs as one graph, else None (see
+        `mixprec.step.whole` for when). Built at the first step that qualifies."""
+        if update is None or self._whole_off is not None:
+            return None
+        # Only once the optimizer's state exists (made eagerly by a first step, or loaded):
+        # a resumed run then takes the same path at the same step as the uninterrupted one.
+        if not (self._update_ran or update.state_complete()):
+            return None
+        scaler = self.optimizer.scaler
+        if scaler is not None and scaler.is_enabled():
+            scaler._ensure(self._device)  # its state (made by the first scale(), or a load)
+        if not self._update_allowed(update.ready()):
+            return None
+        if self._whole is None:
+            why = self._whole_unfit()
+            if why is not None:
+                self._whole_off = why
+                return None
+            backend, kwargs = whole_backend(self.options, dict(self._compile_arg))
+            user, model = self._user_loss, self.model
+            self._whole = WholeStep(update, lambda *batch: user(model, *batch), model, backend,
+                                    kwargs)  # fmt: skip
+            if self._whole.unfit is not None:
+                self._whole_off, self._whole = self._whole.unfit, None
+                return None
+        return self._whole
+
+    def _whole_unfit(self) -> str | None:
+        """Why the forward cannot join the update in one graph, or None."""
+        if not isinstance(self._compile_arg, dict):
+            return "the step is not compiled with inductor's settings"
+        if self.amp_backend is not None:
+            graphs_, choices = len(self.amp_backend.reports), self.amp_backend.kernel_choices
+        elif self._forward_backend is not None:
+            graphs_, choices = self._forward_backend.compiles, self._forward_backend.kernel_choices
+        else:
+            return "the forward is not compiled"
+        if graphs_ != 1:
+            return f"the forward compiled as {graphs_} graphs (a graph break)"
+        if any(c.op == "aten.scaled_dot_product_attention" for c in choices):
+            return (
+                "attention's route is chosen per shape above autograd, and a graph that "
+                "takes its own gradients is recorded below it"
+            )
+        return None
+
+    def _run_whole(self, whole: WholeStep, batch: tuple[Any, ...]) -> torch.Tensor | None:
+        """One step as one graph; None (and the whole step off for good, with the reason) if
+        it could not be compiled, so that the caller runs the two-graph step instead."""
+        before = whole.compiles
+        try:
+            loss = whole(*batch)
+        except (torch._dynamo.exc.TorchDynamoException, RuntimeError) as err:
+            if whole.calls:  # it ran before: the error is this batch's, not the compiler's
+                raise
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+            self._whole_off = f"compiling the step as one graph failed ({first})"
+            self._whole = None
+            return None
+        if whole.compiles - before > 1:
+            self._whole_off = f"the step as one graph broke into {whole.compiles - before} graphs"
+            self._whole = None
+        self.compiled = self._whole_last = True
+        return loss
 
     def _compiled_path(self) -> StepUpdate | None:
         """The `StepUpdate` when this step takes the compiled path, else None (all eager)."""
@@ -677,7 +772,8 @@ class TrainStep:
             parts.append("masters copied into the model")
         if self.optimizer.scaler is not None and self.optimizer.scaler.is_enabled():
             parts.append("scale update")
-        return ", ".join(parts) + f" ({self.graphs_compiled} graphs compiled so far)"
+        how = " (one graph)" if self._whole_last else ""
+        return ", ".join(parts) + f"{how} ({self.graphs_compiled} graphs compiled so far)"
 
     @property
     def graphs_compiled(self) -> int:
@@ -689,7 +785,8 @@ class TrainStep:
             else (self._forward_backend.compiles if self._forward_backend is not None else 0)
         )
         forward += self._forward_dropped  # compiled before a rebuild_forward
-        return forward + (self._update.compiles if self._update is not None else 0)
+        whole = self._whole.compiles if self._whole is not None else 0
+        return forward + whole + (self._update.compiles if self._update is not None else 0)
 
     def _note_replayed_update(self) -> None:
         scaler = self.optimizer.scaler
@@ -793,11 +890,20 @@ class TrainStep:
         if self._update is not None:
             update = self._update
             forward = self.graphs_compiled - update.compiles
+            whole = self._whole.compiles if self._whole is not None else 0
+            forward -= whole
             lines.append(
                 f"  compiled graphs: {self.graphs_compiled} ({forward} forward+loss, whose "
                 f"backward AOTAutograd compiles with it; {update.compiles} for the update after "
-                f"backward{'' if update.split is None else ': ' + update.split})"
+                f"backward{'' if update.split is None else ': ' + update.split}; {whole} for "
+                f"the whole step as one graph)"
             )
+            lines.append(
+                "  one graph: "
+                + (f"no: {self._whole_off}" if self._whole_off is not None
+                   else "yes: forward, loss, backward and update, from the step after the "
+                   "optimizer's state exists")
+            )  # fmt: skip
             if self._compile_blocked is not None:
                 lines.append(f"  not compiled: {self._compile_blocked}")
         if self.amp_backend is not None:

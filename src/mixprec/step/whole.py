@@ -1,0 +1,159 @@
+"""The whole training step as one compiled graph (CPU): forward, loss, backward and update.
+
+`TrainStep` on a CPU compiles a step in two graphs (`mixprec.step.compiled`): the forward and
+loss, whose backward AOTAutograd derives and the autograd engine runs, then everything after
+backward. Between them the engine writes every gradient to memory in the parameter's dtype
+(fp32 under O1: a conversion pass over the low-precision gradients), the update graph reads
+them back, and each graph pays its own guard check and call. This module puts the step in one
+graph instead: the loss's gradients are taken inside it with ``torch.autograd.grad`` (dynamo
+traces that call where ``torch._dynamo.config.trace_autograd_ops`` exists: torch 2.13), so
+inductor sees the backward and the update together, and fuses each gradient's conversion,
+unscale, skip and optimizer update into the loop that reads it.
+
+What runs is what the two-graph step runs: the same forward under the same policy (mixprec's
+graph pass records the graph below autograd, the backward's operations included), the scaled
+loss's gradients written into the same buffers (the fp32 masters' under O2), and the same
+`StepUpdate` body (unscale, overflow check, clipping, the optimizer's own ``step``, the exact
+skip, the scale update). Numerics: as the two-graph step's, to inductor's fusion of fp32
+arithmetic (tests/test_trainstep_whole.py compares them).
+
+When it is used: from the step after the update was first compiled, on a device without CUDA
+graphs, when torch can trace ``autograd.grad``, the update is one graph (no step hooks, no fused
+optimizer), every trainable parameter is the optimizer's (or has its master there), and the
+forward compiled as a single graph without a per-shape attention choice (the graph below
+autograd has no composite attention op to choose a route for; such a step keeps two graphs).
+If compiling the whole step fails, or it breaks into several graphs, the step returns to two
+graphs for good and `reason` says why.
+
+Costs: one more compilation (the whole step), once per input signature; at run time, one guard
+check and one call. No host-device synchronisation.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from mixprec.step.compiled import StepUpdate, own_code
+
+__all__ = ["WholeStep", "compiles", "trace_flag", "whole_backend"]
+
+
+def trace_flag() -> str | None:
+    """Why this torch cannot trace ``torch.autograd.grad`` into a graph, or None."""
+    config = torch._dynamo.config
+    if not hasattr(config, "trace_autograd_ops"):
+        return f"torch {torch.__version__} cannot trace torch.autograd.grad into a graph"
+    return None
+
+
+class WholeStep:
+    """Forward, loss, backward and update of one `TrainStep` as one compiled function.
+
+    Args:
+        update: the step's `StepUpdate` (its body runs inside this graph).
+        loss: the step's forward and loss, ``loss(*batch) -> scalar tensor`` (uncompiled).
+        model: the model whose trainable parameters the loss is differentiated for.
+        backend: the ``torch.compile`` backend (the forward's: mixprec's graph pass under O1).
+        compile_kwargs: other ``torch.compile`` keyword arguments (``mode``, ``options``).
+
+    Attributes:
+        failed: why the whole step is no longer used (a compile error, a graph break), or None.
+        calls: steps run as one graph.
+    """
+
+    def __init__(
+        self,
+        update: StepUpdate,
+        loss: Callable[..., torch.Tensor],
+        model: torch.nn.Module,
+        backend: Any,
+        compile_kwargs: dict[str, Any],
+    ) -> None:
+        self.update = update
+        self._loss = loss
+        self.failed: str | None = None
+        self.calls = 0
+        opt = update.optimizer
+        masters = {id(low): master for low, master in zip(opt._low, opt._masters, strict=True)}
+        params = [p for p in model.parameters() if p.requires_grad]
+        self._params = params
+        # Where each parameter's gradient goes: its fp32 master's .grad under O2, else its own.
+        self._targets = [masters.get(id(p), p) for p in params]
+        owned = {id(p) for g in opt.optimizer.param_groups for p in g["params"]}
+        self.unfit = (
+            None
+            if all(id(t) in owned for t in self._targets)
+            else "a trainable parameter is not in the optimizer (its gradient would have no "
+            "update to go to)"
+        )
+        self.backend = backend
+        self.reason = ""
+        step = types.MethodType(own_code(WholeStep._step, "mixprec_trainstep_whole"), self)
+        self._compiled = torch.compile(step, backend=backend, **compile_kwargs)
+
+    @property
+    def compiles(self) -> int:
+        """Graphs compiled for the whole step so far (one per input signature)."""
+        return compiles(self.backend)
+
+    def __call__(self, *batch: Any) -> torch.Tensor:
+        """Run the step once (compiling it on first use); the loss, detached. No host sync."""
+        for target in self._targets:
+            if target.grad is None:  # the buffers the graph writes into, kept between steps
+                target.grad = torch.empty_like(target)
+        opt = self.update.optimizer
+        scaler = opt.scaler
+        state = flag = None
+        if scaler is not None and scaler.is_enabled():
+            state = scaler._losses[0].state
+            flag = scaler._known_guard(opt.optimizer).flag
+        with torch._dynamo.config.patch(trace_autograd_ops=True):
+            loss = self._compiled(state, flag, *batch)
+        if scaler is not None and scaler.is_enabled():
+            scaler.note_update()
+        if getattr(opt.step, "_wrapped_by_lr_sched", False):
+            opt._opt_called = True  # type: ignore[attr-defined]
+        self.calls += 1
+        return loss
+
+    def _step(self, state: Any, flag: torch.Tensor | None, *batch: Any) -> torch.Tensor:
+        loss = self._loss(*batch)
+        scaled = loss * state.scale if state is not None else loss
+        grads = torch.autograd.grad(scaled, self._params)
+        with torch.no_grad():
+            for target, grad in zip(self._targets, grads, strict=True):
+                target.grad.copy_(grad)
+        self.update._update(state, flag)
+        return loss.detach()
+
+
+def whole_backend(options: Any, compile_kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The backend and ``torch.compile`` keywords of a whole step: the forward's (mixprec's
+    graph pass under O1, a counting pass-through under O2/O3) with the update graph's fusion
+    settings."""
+    from mixprec.graph.backend import AmpBackend
+    from mixprec.step.compiled import UPDATE_INDUCTOR_OPTIONS, CountingBackend
+
+    kwargs = dict(compile_kwargs)
+    kwargs.setdefault("dynamic", False)
+    backend = kwargs.pop("backend", "inductor")
+    casts, kernels = kwargs.pop("casts", "exact"), kwargs.pop("kernels", "auto")
+    if backend == "inductor" and not kwargs.get("mode"):
+        kwargs["options"] = {**UPDATE_INDUCTOR_OPTIONS, **(kwargs.get("options") or {})}
+    if options.patch_torch_functions:
+        amp: Any = AmpBackend(policy=options.policy, dtype=options.dtype,
+                              device_type=options.device_type, backend=backend, casts=casts,
+                              kernels=kernels)  # fmt: skip
+    else:
+        amp = CountingBackend(backend, kernels=kernels)
+    return amp, kwargs
+
+
+def compiles(backend: Any) -> int:
+    """Graphs `backend` (a `whole_backend`) compiled so far."""
+    reports = getattr(backend, "reports", None)
+    return len(reports) if reports is not None else backend.compiles

@@ -1,0 +1,101 @@
+"""TrainStep's whole step as one graph on the CPU (`mixprec.step.whole`).
+
+References: the same TrainStep in two graphs (``compile={"one_graph": False}``), which
+test_trainstep_compiled.py holds to the uncompiled step, and the uncompiled step itself for an
+exact skip. One graph must give the two-graph step's results to fp32 rounding, skip exactly,
+and say when and why it is not used.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mixprec
+from mixprec.bench.models import GPT, GPTConfig
+from mixprec.step.compiled import tensor_lr
+from tests.test_trainstep import _batches, _model
+from tests.test_trainstep_compiled import _bitwise, _state_bits
+
+pytestmark = pytest.mark.compile
+
+FAST = {"backend": "aot_eager", "kernels": "native"}
+
+
+def _steps(make_opt, level, dtype, compile_args, **makers):
+    """One TrainStep per compile argument, over identical models (`makers`: keyword factories,
+    a scaler for each, say)."""
+    out = []
+    for c in compile_args:
+        model = _model()
+        kw = {k: make() for k, make in makers.items()}
+        step = mixprec.TrainStep(model, make_opt(model.parameters()), F.cross_entropy,
+                                 opt_level=level, dtype=dtype, compile=c, **kw)  # fmt: skip
+        if c is False:
+            tensor_lr(step.optimizer.optimizer)
+        out.append(step)
+    return out
+
+
+def test_from_the_second_step_the_step_is_one_graph():
+    (step,) = _steps(lambda p: torch.optim.AdamW(p, lr=1e-2), "O1", "bf16", [FAST])
+    reasons = [step(x, y) is not None and step.reason for x, y in _batches(4, overflows=())]
+    assert "eager update" in reasons[0]  # the first step makes the optimizer's state eagerly
+    assert all("(one graph)" in r for r in reasons[1:]), reasons
+    assert step.graphs_compiled == 2  # the forward (first step) and the whole step, once
+    assert "one graph: yes" in step.explain()
+    # The gradients the graph wrote are plain tensors in the parameters' buffers.
+    assert all(p.grad is not None and not p.grad.requires_grad for p in step.model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("level", "opt"),
+    [("O1", lambda p: torch.optim.AdamW(p, lr=1e-2)),
+     ("O2", lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9))],
+    ids=["O1-adamw", "O2-sgd-momentum"],
+)  # fmt: skip
+def test_one_graph_computes_what_two_graphs_compute(level, opt):
+    two, one = _steps(opt, level, "bf16", [{**FAST, "one_graph": False}, FAST])
+    tol = {"rtol": 1e-3, "atol": 1e-4} if level == "O1" else {"rtol": 1e-5, "atol": 1e-6}
+    for x, y in _batches(6, overflows=()):
+        torch.testing.assert_close(one(x, y), two(x, y), **tol)
+    assert "(one graph)" in one.reason and "(one graph)" not in two.reason
+    assert "one graph: no: compile={'one_graph': False} was requested" in two.explain()
+    torch.testing.assert_close(list(one.model.parameters()), list(two.model.parameters()), **tol)
+
+
+@pytest.mark.slow
+def test_inductor_one_graph_fp16_skips_exactly_and_scales_as_eagerly():
+    eager, step = _steps(lambda p: torch.optim.AdamW(p, lr=1e-2), "O1", "fp16",
+                         [False, {"kernels": "native"}],
+                         scaler=lambda: mixprec.GradScaler("cpu", growth_interval=4))  # fmt: skip
+    for i, (x, y) in enumerate(_batches(8, overflows={2, 5})):
+        before = _state_bits(step)
+        want, got = eager(x, y), step(x, y)
+        if i in (2, 5):  # skipped inside the one graph: every bit kept
+            assert "(one graph)" in step.reason and _bitwise(before, _state_bits(step))
+        torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-3, atol=1e-4)
+    assert step.scaler.stats()["losses"][0] == eager.scaler.stats()["losses"][0]
+
+
+def test_attention_keeps_two_graphs_and_says_why():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    tokens = torch.randint(0, 64, (2, 16))
+    step = mixprec.TrainStep(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+        compute_loss=lambda m, t: F.cross_entropy(m(t).float().flatten(0, 1), t.flatten()),
+        dtype="bf16", compile={"backend": "aot_eager", "kernels": "auto"},
+    )  # fmt: skip
+    for _ in range(3):
+        step(tokens)
+    assert step.compiled and "(one graph)" not in step.reason
+    assert "one graph: no: attention's route is chosen per shape" in step.explain()
+
+
+def test_the_one_graph_key_is_listed_among_the_valid_ones():
+    model = _model()
+    with pytest.raises(mixprec.PolicyError, match="one_graph=False"):
+        mixprec.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy,
+                          dtype="bf16", compile={"one_grahp": False})  # fmt: skip
