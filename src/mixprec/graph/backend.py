@@ -159,6 +159,9 @@ class AmpBackend:
         own_gradients = computes_gradients(gm)
         lifted: list[torch.Tensor] = []
         if own_gradients:
+            from mixprec.step.whole import check_one_graph
+
+            check_one_graph(gm, device, self.kernels)
             gm, lifted = lift_tensor_attributes(gm)
             example_inputs = [*example_inputs, *_fakes_like(example_inputs, lifted)]
         traced = trace_with_policy(gm, example_inputs, device, dtype, self.policy)

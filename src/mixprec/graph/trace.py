@@ -20,6 +20,7 @@ Cost: one extra trace per graph at compile time (no cost per call).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -120,7 +121,7 @@ def trace_with_policy(
     from torch._subclasses.fake_tensor import FakeTensor
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    interpreter = _Annotating(gm)
+    interpreter = _Annotating(gm, device_type if region else None)
 
     def run(*args: Any) -> Any:
         if not region:
@@ -207,9 +208,13 @@ class _Annotating(fx.Interpreter):
     the recorded nesting counter as brackets and restores the state it saw at the opening one.
     """
 
-    def __init__(self, gm: fx.GraphModule) -> None:
+    def __init__(self, gm: fx.GraphModule, region: str | None = None) -> None:
         super().__init__(gm)
         self._brackets: list[tuple[Any, ...]] = []
+        # A whole step's graph: from its ``torch.autograd.grad`` on, the nodes are the backward
+        # and the update, which eager code runs outside the region (`region`: its device).
+        self._region = region
+        self._after_grad = False
 
     def run_node(self, n: fx.Node) -> Any:
         if n.op == "call_function" and n.target is _ENTER:
@@ -240,8 +245,14 @@ class _Annotating(fx.Interpreter):
             return out
         saved = n.meta.get("custom")
         n.meta["custom"] = {**(saved or {}), ORIGIN: (n.name, _explicit_cast(n))}
+        if n.op == "call_function" and n.target is torch.autograd.grad:
+            self._after_grad = True
+        outside = self._after_grad and self._region is not None
         try:
-            with fx_traceback.set_current_meta(n):
+            with (
+                fx_traceback.set_current_meta(n),
+                autocast(self._region, enabled=False) if outside else contextlib.nullcontext(),
+            ):
                 return super().run_node(n)
         finally:
             if saved is None:

@@ -194,6 +194,10 @@ class CountingBackend:
         from mixprec.graph.trace import computes_gradients
 
         own_gradients = computes_gradients(gm)  # before the re-trace records the backward
+        if own_gradients:
+            from mixprec.step.whole import check_one_graph
+
+            check_one_graph(gm, "cpu" if on_cpu else "other", self.kernels)
         retraced = self.kernels != "native" and on_cpu and not _unkept_operators(gm)
         lifted: list[torch.Tensor] = []
         if retraced and own_gradients:

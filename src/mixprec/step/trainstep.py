@@ -53,7 +53,7 @@ from mixprec.step.compiled import (
     tensor_lr,
 )
 from mixprec.step.graphs import Fingerprint, StepGraph
-from mixprec.step.whole import WholeStep, trace_flag, whole_backend
+from mixprec.step.whole import NotOneGraph, WholeStep, trace_flag, whole_kwargs
 
 __all__ = ["CAPTURE_MODES", "BatchError", "TrainStep"]
 
@@ -443,8 +443,6 @@ class TrainStep:
             self._forward_dropped += self._forward_backend.compiles
         self.amp_backend = None
         self._forward_backend = None
-        if self._whole is not None:
-            self._forward_dropped += self._whole.compiles
         self._whole, self._update_ran = None, False  # rebuilt from the new forward
         compiled = self._eager_loss is not self._loss
         self._loss = self._build_loss(self._compile_arg)
@@ -472,6 +470,11 @@ class TrainStep:
         else:
             opt.zero_grad(set_to_none=True)
         forward = self._eager_loss if watcher_of(self.model) is not None else self._loss
+        if update is not None and self._whole_off is None and self._whole is None:
+            # The steps before the whole step's first run the forward uncompiled: once the
+            # optimizer's state exists the forward is compiled as part of the whole step, and
+            # a separate compilation of it would only serve this step.
+            forward = self._eager_loss
         try:
             loss = forward(*batch)
         except MixprecError:
@@ -524,7 +527,8 @@ class TrainStep:
             if why is not None:
                 self._whole_off = why
                 return None
-            backend, kwargs = whole_backend(self.options, dict(self._compile_arg))
+            backend = self.amp_backend or self._forward_backend
+            kwargs = whole_kwargs(dict(self._compile_arg))
             user, model = self._user_loss, self.model
             self._whole = WholeStep(update, lambda *batch: user(model, *batch), model, backend,
                                     kwargs)  # fmt: skip
@@ -534,22 +538,9 @@ class TrainStep:
         return self._whole
 
     def _whole_unfit(self) -> str | None:
-        """Why the forward cannot join the update in one graph, or None."""
+        """Why the step cannot be one graph, known before compiling it, or None."""
         if not isinstance(self._compile_arg, dict):
             return "the step is not compiled with inductor's settings"
-        if self.amp_backend is not None:
-            graphs_, choices = len(self.amp_backend.reports), self.amp_backend.kernel_choices
-        elif self._forward_backend is not None:
-            graphs_, choices = self._forward_backend.compiles, self._forward_backend.kernel_choices
-        else:
-            return "the forward is not compiled"
-        if graphs_ != 1:
-            return f"the forward compiled as {graphs_} graphs (a graph break)"
-        if any(c.op == "aten.scaled_dot_product_attention" for c in choices):
-            return (
-                "attention's route is chosen per shape above autograd, and a graph that "
-                "takes its own gradients is recorded below it"
-            )
         return None
 
     def _run_whole(self, whole: WholeStep, batch: tuple[Any, ...]) -> torch.Tensor | None:
@@ -561,8 +552,14 @@ class TrainStep:
         except (torch._dynamo.exc.TorchDynamoException, RuntimeError) as err:
             if whole.calls:  # it ran before: the error is this batch's, not the compiler's
                 raise
-            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-            self._whole_off = f"compiling the step as one graph failed ({first})"
+            cause: BaseException | None = err
+            while cause is not None and not isinstance(cause, NotOneGraph):
+                cause = cause.__cause__ or cause.__context__
+            if cause is not None:
+                self._whole_off = str(cause)
+            else:
+                first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+                self._whole_off = f"compiling the step as one graph failed ({first})"
             self._whole = None
             return None
         if whole.compiles - before > 1:
@@ -742,6 +739,12 @@ class TrainStep:
             )
         elif self._compile_blocked is not None:
             self.reason = self._compile_blocked
+        elif self._whole_off is None:
+            self.reason = (
+                "this step runs eagerly: it creates optimizer state (decided on the host, so "
+                "that a skipped first step creates none); from the next step the whole step, "
+                "forward to update, runs as one compiled graph"
+            )
         else:
             self.reason = (
                 "compiled forward and backward, eager update: this step creates optimizer state "
@@ -785,8 +788,7 @@ class TrainStep:
             else (self._forward_backend.compiles if self._forward_backend is not None else 0)
         )
         forward += self._forward_dropped  # compiled before a rebuild_forward
-        whole = self._whole.compiles if self._whole is not None else 0
-        return forward + whole + (self._update.compiles if self._update is not None else 0)
+        return forward + (self._update.compiles if self._update is not None else 0)
 
     def _note_replayed_update(self) -> None:
         scaler = self.optimizer.scaler

@@ -39,7 +39,29 @@ import torch
 
 from mixprec.step.compiled import StepUpdate, own_code
 
-__all__ = ["WholeStep", "compiles", "trace_flag", "whole_backend"]
+__all__ = ["NotOneGraph", "WholeStep", "check_one_graph", "compiles", "trace_flag", "whole_kwargs"]
+
+
+class NotOneGraph(Exception):
+    """Raised by a whole-step backend when the graph should not be compiled as one (the
+    message says why); the step then runs in two graphs."""
+
+
+def check_one_graph(gm: torch.fx.GraphModule, device_type: str, kernels: str) -> None:
+    """Raise `NotOneGraph` if `gm`, a whole step dynamo captured, should stay two graphs.
+
+    Attention on a CPU under ``kernels='auto'`` is timed per shape and may be rewritten as
+    two matrix products (`mixprec.graph.attention`): a choice made on the graph above
+    autograd, which a graph taking its own gradients is not recorded at.
+    """
+    if device_type != "cpu" or kernels != "auto":
+        return
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and "scaled_dot_product_attention" in str(node.target):
+            raise NotOneGraph(
+                "attention's route is chosen per shape above autograd, and a graph that takes "
+                "its own gradients is recorded below it"
+            )
 
 
 def trace_flag() -> str | None:
@@ -57,7 +79,8 @@ class WholeStep:
         update: the step's `StepUpdate` (its body runs inside this graph).
         loss: the step's forward and loss, ``loss(*batch) -> scalar tensor`` (uncompiled).
         model: the model whose trainable parameters the loss is differentiated for.
-        backend: the ``torch.compile`` backend (the forward's: mixprec's graph pass under O1).
+        backend: the ``torch.compile`` backend, the forward's own (mixprec's graph pass under
+            O1), so that its reports and kernel choices cover the whole step too.
         compile_kwargs: other ``torch.compile`` keyword arguments (``mode``, ``options``).
 
     Attributes:
@@ -77,6 +100,7 @@ class WholeStep:
         self._loss = loss
         self.failed: str | None = None
         self.calls = 0
+        self._graphs = 0
         opt = update.optimizer
         masters = {id(low): master for low, master in zip(opt._low, opt._masters, strict=True)}
         params = [p for p in model.parameters() if p.requires_grad]
@@ -98,7 +122,7 @@ class WholeStep:
     @property
     def compiles(self) -> int:
         """Graphs compiled for the whole step so far (one per input signature)."""
-        return compiles(self.backend)
+        return self._graphs
 
     def __call__(self, *batch: Any) -> torch.Tensor:
         """Run the step once (compiling it on first use); the loss, detached. No host sync."""
@@ -111,8 +135,12 @@ class WholeStep:
         if scaler is not None and scaler.is_enabled():
             state = scaler._losses[0].state
             flag = scaler._known_guard(opt.optimizer).flag
-        with torch._dynamo.config.patch(trace_autograd_ops=True):
-            loss = self._compiled(state, flag, *batch)
+        before = compiles(self.backend)  # shared with the forward: count this step's own
+        try:
+            with torch._dynamo.config.patch(trace_autograd_ops=True):
+                loss = self._compiled(state, flag, *batch)
+        finally:
+            self._graphs += compiles(self.backend) - before
         if scaler is not None and scaler.is_enabled():
             scaler.note_update()
         if getattr(opt.step, "_wrapped_by_lr_sched", False):
@@ -131,29 +159,20 @@ class WholeStep:
         return loss.detach()
 
 
-def whole_backend(options: Any, compile_kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """The backend and ``torch.compile`` keywords of a whole step: the forward's (mixprec's
-    graph pass under O1, a counting pass-through under O2/O3) with the update graph's fusion
-    settings."""
-    from mixprec.graph.backend import AmpBackend
-    from mixprec.step.compiled import UPDATE_INDUCTOR_OPTIONS, CountingBackend
+def whole_kwargs(compile_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The ``torch.compile`` keywords of a whole step: the forward's, less mixprec's own keys
+    (the backend is the forward's), with the update graph's narrower fusion search (its many
+    parameters' loops read the same few scalars; see `UPDATE_INDUCTOR_OPTIONS`)."""
+    from mixprec.step.compiled import UPDATE_INDUCTOR_OPTIONS
 
-    kwargs = dict(compile_kwargs)
+    kwargs = {k: v for k, v in compile_kwargs.items() if k not in ("backend", "casts", "kernels")}
     kwargs.setdefault("dynamic", False)
-    backend = kwargs.pop("backend", "inductor")
-    casts, kernels = kwargs.pop("casts", "exact"), kwargs.pop("kernels", "auto")
-    if backend == "inductor" and not kwargs.get("mode"):
+    if compile_kwargs.get("backend", "inductor") == "inductor" and not kwargs.get("mode"):
         kwargs["options"] = {**UPDATE_INDUCTOR_OPTIONS, **(kwargs.get("options") or {})}
-    if options.patch_torch_functions:
-        amp: Any = AmpBackend(policy=options.policy, dtype=options.dtype,
-                              device_type=options.device_type, backend=backend, casts=casts,
-                              kernels=kernels)  # fmt: skip
-    else:
-        amp = CountingBackend(backend, kernels=kernels)
-    return amp, kwargs
+    return kwargs
 
 
 def compiles(backend: Any) -> int:
-    """Graphs `backend` (a `whole_backend`) compiled so far."""
+    """Graphs `backend` (an `AmpBackend` or a `CountingBackend`) compiled so far."""
     reports = getattr(backend, "reports", None)
     return len(reports) if reports is not None else backend.compiles
