@@ -17,16 +17,18 @@ loss's gradients written into the same buffers (the fp32 masters' under O2), and
 skip, the scale update). Numerics: as the two-graph step's, to inductor's fusion of fp32
 arithmetic (tests/test_trainstep_whole.py compares them).
 
-When it is used: from the step after the update was first compiled, on a device without CUDA
-graphs, when torch can trace ``autograd.grad``, the update is one graph (no step hooks, no fused
-optimizer), every trainable parameter is the optimizer's (or has its master there), and the
-forward compiled as a single graph without a per-shape attention choice (the graph below
-autograd has no composite attention op to choose a route for; such a step keeps two graphs).
-If compiling the whole step fails, or it breaks into several graphs, the step returns to two
-graphs for good and `reason` says why.
+When it is used: from the first step that starts with the optimizer's state in place (made by
+an eager first step, or loaded from a checkpoint: a resumed run takes the uninterrupted one's
+path), on a device without CUDA graphs, when torch can trace ``autograd.grad``, when the update
+is one graph (no step hooks, no fused optimizer) and every trainable parameter is the
+optimizer's (or has its master there). The steps before it run their forward uncompiled, so
+the forward is compiled once, inside the whole step. A graph with attention whose kernel is
+chosen per shape (`check_one_graph`), a compile that fails, or a step that breaks into several
+graphs returns to two graphs for good, and ``explain()`` says why.
 
-Costs: one more compilation (the whole step), once per input signature; at run time, one guard
-check and one call. No host-device synchronisation.
+Costs: one compilation per input signature (the two-graph step's two, where it falls back after
+a whole-step attempt, add dynamo's trace of the whole step); at run time, one guard check and
+one call. No host-device synchronisation.
 """
 
 from __future__ import annotations
