@@ -53,7 +53,7 @@ from mixprec.step.compiled import (
     tensor_lr,
 )
 from mixprec.step.graphs import Fingerprint, StepGraph
-from mixprec.step.whole import NotOneGraph, WholeStep, trace_flag, whole_kwargs
+from mixprec.step.whole import OneGraph, trace_flag
 
 __all__ = ["CAPTURE_MODES", "BatchError", "TrainStep"]
 
@@ -317,22 +317,17 @@ class TrainStep:
             self._update = StepUpdate(optimizer, self._clip, update_kwargs)
             for note in tensor_lr(optimizer.optimizer):
                 self.notes.append(note)
-        # The whole step as one graph (`mixprec.step.whole`): built at the first step that
-        # starts with the optimizer's state in place; `_whole_off` says why not, where not.
-        self._whole: WholeStep | None = None
-        self._whole_off: str | None = None
+        # The whole step as one graph (`mixprec.step.whole`), or why not.
+        off = trace_flag()
         if not one_graph:
-            self._whole_off = "compile={'one_graph': False} was requested"
+            off = "compile={'one_graph': False} was requested"
         elif not whole or self._update is None:
-            self._whole_off = "no compiled update"
+            off = "no compiled update"
         elif self._device.type == "cuda":
-            self._whole_off = "on CUDA the compiled step is recorded into a CUDA graph as it is"
-        else:
-            self._whole_off = trace_flag()
-        if self._whole_off is None and self._update is not None and self._update.split:
-            self._whole_off = f"the update is more than one graph ({self._update.split})"
-        self._update_ran = False  # the compiled update ran in the last two-graph step
-        self._whole_last = False  # the last step ran as one graph
+            off = "on CUDA the compiled step is recorded into a CUDA graph as it is"
+        elif self._update.split:
+            off = f"the update is more than one graph ({self._update.split})"
+        self._one = OneGraph(off)
         if isinstance(model, DistributedDataParallel) and warmup < ddp_rules.DDP_WARMUP:
             warmup = ddp_rules.DDP_WARMUP
             self.notes.append(
@@ -443,7 +438,7 @@ class TrainStep:
             self._forward_dropped += self._forward_backend.compiles
         self.amp_backend = None
         self._forward_backend = None
-        self._whole, self._update_ran = None, False  # rebuilt from the new forward
+        self._one.reset()  # rebuilt from the new forward
         compiled = self._eager_loss is not self._loss
         self._loss = self._build_loss(self._compile_arg)
         self._eager_loss = self._build_loss(False) if compiled else self._loss
@@ -460,17 +455,18 @@ class TrainStep:
     def _body(self, *batch: Any) -> torch.Tensor:
         opt = self.optimizer
         update = self._compiled_path()
-        whole = self._whole_step(update)
+        whole = self._one.pick(self, update)
         if whole is not None:
-            loss = self._run_whole(whole, batch)
+            loss = self._one.run(whole, batch)
             if loss is not None:
+                self.compiled = True
                 return loss
         if update is not None:
             update.zero_grad()
         else:
             opt.zero_grad(set_to_none=True)
         forward = self._eager_loss if watcher_of(self.model) is not None else self._loss
-        if update is not None and self._whole_off is None and self._whole is None:
+        if update is not None and self._one.pending():
             # The steps before the whole step's first run the forward uncompiled: once the
             # optimizer's state exists the forward is compiled as part of the whole step, and
             # a separate compilation of it would only serve this step.
@@ -496,7 +492,7 @@ class TrainStep:
                 update()
             else:
                 update.eager()
-            self._update_ran, self._whole_last = self.compiled, False
+            self._one.update_ran, self._one.last = self.compiled, False
             return loss.detach()
         with scale_loss(loss, opt) as scaled:
             scaled.backward()
@@ -507,66 +503,6 @@ class TrainStep:
         # start of the next, where initialize's deferred update would put it.
         opt._scaling.flush()
         return loss.detach()
-
-    def _whole_step(self, update: StepUpdate | None) -> WholeStep | None:
-        """The `WholeStep` when this step runs as one graph, else None (see
-        `mixprec.step.whole` for when). Built at the first step that qualifies."""
-        if update is None or self._whole_off is not None:
-            return None
-        # Only once the optimizer's state exists (made eagerly by a first step, or loaded):
-        # a resumed run then takes the same path at the same step as the uninterrupted one.
-        if not (self._update_ran or update.state_complete()):
-            return None
-        scaler = self.optimizer.scaler
-        if scaler is not None and scaler.is_enabled():
-            scaler._ensure(self._device)  # its state (made by the first scale(), or a load)
-        if not self._update_allowed(update.ready()):
-            return None
-        if self._whole is None:
-            why = self._whole_unfit()
-            if why is not None:
-                self._whole_off = why
-                return None
-            backend = self.amp_backend or self._forward_backend
-            kwargs = whole_kwargs(dict(self._compile_arg))
-            user, model = self._user_loss, self.model
-            self._whole = WholeStep(update, lambda *batch: user(model, *batch), model, backend,
-                                    kwargs)  # fmt: skip
-            if self._whole.unfit is not None:
-                self._whole_off, self._whole = self._whole.unfit, None
-                return None
-        return self._whole
-
-    def _whole_unfit(self) -> str | None:
-        """Why the step cannot be one graph, known before compiling it, or None."""
-        if not isinstance(self._compile_arg, dict):
-            return "the step is not compiled with inductor's settings"
-        return None
-
-    def _run_whole(self, whole: WholeStep, batch: tuple[Any, ...]) -> torch.Tensor | None:
-        """One step as one graph; None (and the whole step off for good, with the reason) if
-        it could not be compiled, so that the caller runs the two-graph step instead."""
-        before = whole.compiles
-        try:
-            loss = whole(*batch)
-        except (torch._dynamo.exc.TorchDynamoException, RuntimeError) as err:
-            if whole.calls:  # it ran before: the error is this batch's, not the compiler's
-                raise
-            cause: BaseException | None = err
-            while cause is not None and not isinstance(cause, NotOneGraph):
-                cause = cause.__cause__ or cause.__context__
-            if cause is not None:
-                self._whole_off = str(cause)
-            else:
-                first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-                self._whole_off = f"compiling the step as one graph failed ({first})"
-            self._whole = None
-            return None
-        if whole.compiles - before > 1:
-            self._whole_off = f"the step as one graph broke into {whole.compiles - before} graphs"
-            self._whole = None
-        self.compiled = self._whole_last = True
-        return loss
 
     def _compiled_path(self) -> StepUpdate | None:
         """The `StepUpdate` when this step takes the compiled path, else None (all eager)."""
@@ -739,7 +675,7 @@ class TrainStep:
             )
         elif self._compile_blocked is not None:
             self.reason = self._compile_blocked
-        elif self._whole_off is None:
+        elif self._one.off is None:
             self.reason = (
                 "this step runs eagerly: it creates optimizer state (decided on the host, so "
                 "that a skipped first step creates none); from the next step the whole step, "
@@ -775,7 +711,7 @@ class TrainStep:
             parts.append("masters copied into the model")
         if self.optimizer.scaler is not None and self.optimizer.scaler.is_enabled():
             parts.append("scale update")
-        how = " (one graph)" if self._whole_last else ""
+        how = " (one graph)" if self._one.last else ""
         return ", ".join(parts) + f"{how} ({self.graphs_compiled} graphs compiled so far)"
 
     @property
@@ -892,7 +828,7 @@ class TrainStep:
         if self._update is not None:
             update = self._update
             forward = self.graphs_compiled - update.compiles
-            whole = self._whole.compiles if self._whole is not None else 0
+            whole = self._one.whole.compiles if self._one.whole is not None else 0
             forward -= whole
             lines.append(
                 f"  compiled graphs: {self.graphs_compiled} ({forward} forward+loss, whose "
@@ -900,12 +836,7 @@ class TrainStep:
                 f"backward{'' if update.split is None else ': ' + update.split}; {whole} for "
                 f"the whole step as one graph)"
             )
-            lines.append(
-                "  one graph: "
-                + (f"no: {self._whole_off}" if self._whole_off is not None
-                   else "yes: forward, loss, backward and update, from the step after the "
-                   "optimizer's state exists")
-            )  # fmt: skip
+            lines.append(f"  one graph: {self._one.describe()}")
             if self._compile_blocked is not None:
                 lines.append(f"  not compiled: {self._compile_blocked}")
         if self.amp_backend is not None:

@@ -41,7 +41,8 @@ import torch
 
 from mixprec.step.compiled import StepUpdate, own_code
 
-__all__ = ["NotOneGraph", "WholeStep", "check_one_graph", "compiles", "trace_flag", "whole_kwargs"]
+__all__ = ["NotOneGraph", "OneGraph", "WholeStep", "check_one_graph", "compiles", "trace_flag",
+           "whole_kwargs"]  # fmt: skip
 
 
 class NotOneGraph(Exception):
@@ -178,3 +179,92 @@ def compiles(backend: Any) -> int:
     """Graphs `backend` (an `AmpBackend` or a `CountingBackend`) compiled so far."""
     reports = getattr(backend, "reports", None)
     return len(reports) if reports is not None else backend.compiles
+
+
+class OneGraph:
+    """Whether a `TrainStep`'s step runs as one graph, and the `WholeStep` that runs it.
+
+    Args:
+        off: why the step can never be one graph (a setting, the device, the torch version),
+            or None.
+
+    Attributes:
+        off: why the step is not one graph (now or for good), or None.
+        whole: the `WholeStep`, once built.
+        update_ran: the compiled update ran in the last two-graph step.
+        last: the last step ran as one graph.
+    """
+
+    def __init__(self, off: str | None) -> None:
+        self.off = off
+        self.whole: WholeStep | None = None
+        self.update_ran = False
+        self.last = False
+
+    def pending(self) -> bool:
+        """Whether the step may become one graph but is not yet: its forward then runs
+        uncompiled (it is compiled once, inside the whole step)."""
+        return self.off is None and self.whole is None
+
+    def reset(self) -> None:
+        """Forget the whole step (the forward was rebuilt): the next qualifying step builds it."""
+        self.whole, self.update_ran = None, False
+
+    def describe(self) -> str:
+        """One line for ``explain()``."""
+        if self.off is not None:
+            return f"no: {self.off}"
+        return "yes: forward, loss, backward and update, once the optimizer's state exists"
+
+    def pick(self, step: Any, update: StepUpdate | None) -> WholeStep | None:
+        """The `WholeStep` when `step` (a `TrainStep`) runs this step as one graph, else None.
+        Built at the first step that qualifies: one that starts with the optimizer's state in
+        place (made eagerly by a first step, or loaded, so that a resumed run takes the same
+        path at the same step as the uninterrupted one)."""
+        if update is None or self.off is not None:
+            return None
+        if not (self.update_ran or update.state_complete()):
+            return None
+        scaler = step.optimizer.scaler
+        if scaler is not None and scaler.is_enabled():
+            scaler._ensure(step._device)  # its state (made by the first scale(), or a load)
+        if not step._update_allowed(update.ready()):
+            return None
+        if self.whole is None:
+            if not isinstance(step._compile_arg, dict):
+                self.off = "the step is not compiled with inductor's settings"
+                return None
+            backend = step.amp_backend or step._forward_backend
+            user, model = step._user_loss, step.model
+            whole = WholeStep(update, lambda *batch: user(model, *batch), model, backend,
+                              whole_kwargs(dict(step._compile_arg)))  # fmt: skip
+            if whole.unfit is not None:
+                self.off = whole.unfit
+                return None
+            self.whole = whole
+        return self.whole
+
+    def run(self, whole: WholeStep, batch: tuple[Any, ...]) -> torch.Tensor | None:
+        """One step as one graph; None (and one graph off for good, with the reason) if it
+        could not be compiled, so that the caller runs the two-graph step instead."""
+        before = whole.compiles
+        try:
+            loss = whole(*batch)
+        except (torch._dynamo.exc.TorchDynamoException, RuntimeError) as err:
+            if whole.calls:  # it ran before: the error is this batch's, not the compiler's
+                raise
+            cause: BaseException | None = err
+            while cause is not None and not isinstance(cause, NotOneGraph):
+                cause = cause.__cause__ or cause.__context__
+            if cause is not None:
+                self.off = str(cause)
+            else:
+                first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+                self.off = f"compiling the step as one graph failed ({first})"
+            self.whole = None
+            return None
+        if whole.compiles - before > 1:
+            self.off = f"the step as one graph broke into {whole.compiles - before} graphs"
+            self.whole = None
+        self.last = True
+        return loss
