@@ -1,7 +1,8 @@
 """The second half of a training step, after backward, as one compiled function.
 
-`TrainStep` compiles a whole step in two pieces, because backward is where autograd, not Python,
-is in charge:
+Where `TrainStep` cannot run the whole step as one graph (`mixprec.step.whole`, whose graph
+calls this module's update body after taking the gradients itself), it compiles the step in two
+pieces, since backward is then where autograd, not Python, is in charge:
 
 1. the forward and the loss, through mixprec's graph pass (the policy applies to every op, the
    loss included; AOTAutograd derives the backward from the cast graph, so backward too runs as
