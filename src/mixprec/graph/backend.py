@@ -38,8 +38,11 @@ from mixprec.graph.casts import CAST_MODES, CastReport, minimise_casts
 from mixprec.graph.kernels import KERNEL_MODES, KernelChoice, choose_kernels, summary
 from mixprec.graph.lowering import keep_whole_in
 from mixprec.graph.trace import (
+    check_one_graph,
     computes_gradients,
+    fakes_like,
     lift_tensor_attributes,
+    run_without_autograd,
     trace_with_policy,
     with_lifted,
 )
@@ -159,11 +162,9 @@ class AmpBackend:
         own_gradients = computes_gradients(gm)
         lifted: list[torch.Tensor] = []
         if own_gradients:
-            from mixprec.step.whole import check_one_graph
-
             check_one_graph(gm, device, self.kernels)
             gm, lifted = lift_tensor_attributes(gm)
-            example_inputs = [*example_inputs, *_fakes_like(example_inputs, lifted)]
+            example_inputs = [*example_inputs, *fakes_like(example_inputs, lifted)]
         traced = trace_with_policy(gm, example_inputs, device, dtype, self.policy)
         category, reason = _deciders(self.policy, device, dtype)
         needs_grad = [isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs]
@@ -171,7 +172,7 @@ class AmpBackend:
         self.reports.append(report)
         self.kernel_choices += choose_kernels(traced, device, self.kernels)
         if inner == "eager":
-            run = _no_grad(traced) if own_gradients else traced
+            run = run_without_autograd(traced) if own_gradients else traced
             return with_lifted(_without_torch_autocast(run), lifted)
         inner, kept = keep_whole_in(inner, self.backend, traced, device, self.kernels, mode,
                                     options)  # fmt: skip
@@ -182,7 +183,7 @@ class AmpBackend:
         no_backward = torch.no_grad() if own_gradients else contextlib.nullcontext()
         with torch._C._DisableAutocast(), no_backward:
             compiled = inner(traced, example_inputs)
-        run = _no_grad(compiled) if own_gradients else compiled
+        run = run_without_autograd(compiled) if own_gradients else compiled
         return with_lifted(_without_torch_autocast(run), lifted)
 
     def _as_region(
@@ -411,26 +412,6 @@ class _Region:
             yield
         finally:
             region.__exit__(None, None, None)
-
-
-def _fakes_like(example_inputs: list[Any], values: list[torch.Tensor]) -> list[Any]:
-    """`values` as inputs of the kind dynamo gave: fake ones in its fake mode, else as they are."""
-    from torch._guards import detect_fake_mode
-
-    mode = detect_fake_mode(example_inputs)
-    return [mode.from_tensor(v, static_shapes=True) for v in values] if mode else list(values)
-
-
-def _no_grad(compiled: Callable[..., Any]) -> Callable[..., Any]:
-    """`compiled` run with autograd off: a graph that computes its own gradients updates the
-    parameters in place, which autograd would refuse on leaves that require grad."""
-
-    def run(*args: Any) -> Any:
-        with torch.no_grad():
-            return compiled(*args)
-
-    run._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]
-    return run
 
 
 def _without_torch_autocast(compiled: Callable[..., Any]) -> Callable[..., Any]:

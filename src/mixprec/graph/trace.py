@@ -32,7 +32,16 @@ from mixprec.dtypes import DEVICE_TYPES
 from mixprec.eager.autocast import autocast
 from mixprec.policy.policy import Policy
 
-__all__ = ["computes_gradients", "lift_tensor_attributes", "trace_with_policy", "with_lifted"]
+__all__ = [
+    "NotOneGraph",
+    "check_one_graph",
+    "computes_gradients",
+    "fakes_like",
+    "lift_tensor_attributes",
+    "run_without_autograd",
+    "trace_with_policy",
+    "with_lifted",
+]
 
 
 def computes_gradients(gm: fx.GraphModule) -> bool:
@@ -41,6 +50,48 @@ def computes_gradients(gm: fx.GraphModule) -> bool:
     return any(
         node.op == "call_function" and node.target is torch.autograd.grad for node in gm.graph.nodes
     )
+
+
+class NotOneGraph(Exception):
+    """Raised by a backend given a whole training step (a graph that takes its own
+    gradients) that should not be compiled as one; the message says why."""
+
+
+def check_one_graph(gm: fx.GraphModule, device_type: str, kernels: str) -> None:
+    """Raise `NotOneGraph` if `gm`, a whole step dynamo captured, should stay two graphs.
+
+    Attention on a CPU under ``kernels='auto'`` is timed per shape and may be rewritten as
+    two matrix products (`mixprec.graph.attention`): a choice made on the graph above
+    autograd, which a graph taking its own gradients is not recorded at.
+    """
+    if device_type != "cpu" or kernels != "auto":
+        return
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and "scaled_dot_product_attention" in str(node.target):
+            raise NotOneGraph(
+                "attention's route is chosen per shape above autograd, and a graph that takes "
+                "its own gradients is recorded below it"
+            )
+
+
+def fakes_like(example_inputs: list[Any], values: list[torch.Tensor]) -> list[Any]:
+    """`values` as inputs of the kind dynamo gave: fake ones in its fake mode, else as they are."""
+    from torch._guards import detect_fake_mode
+
+    mode = detect_fake_mode(example_inputs)
+    return [mode.from_tensor(v, static_shapes=True) for v in values] if mode else list(values)
+
+
+def run_without_autograd(compiled: Any) -> Any:
+    """`compiled` run with autograd off: a graph that computes its own gradients updates the
+    parameters in place, which autograd would refuse on leaves that require grad."""
+
+    def run(*args: Any) -> Any:
+        with torch.no_grad():
+            return compiled(*args)
+
+    run._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]
+    return run
 
 
 def lift_tensor_attributes(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[torch.Tensor]]:

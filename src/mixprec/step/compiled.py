@@ -196,17 +196,16 @@ class CountingBackend:
 
         own_gradients = computes_gradients(gm)  # before the re-trace records the backward
         if own_gradients:
-            from mixprec.step.whole import check_one_graph
+            from mixprec.graph.trace import check_one_graph
 
             check_one_graph(gm, "cpu" if on_cpu else "other", self.kernels)
         retraced = self.kernels != "native" and on_cpu and not _unkept_operators(gm)
         lifted: list[torch.Tensor] = []
         if retraced and own_gradients:
-            from mixprec.graph.backend import _fakes_like
-            from mixprec.graph.trace import lift_tensor_attributes
+            from mixprec.graph.trace import fakes_like, lift_tensor_attributes
 
             gm, lifted = lift_tensor_attributes(gm)
-            example_inputs = [*example_inputs, *_fakes_like(example_inputs, lifted)]
+            example_inputs = [*example_inputs, *fakes_like(example_inputs, lifted)]
         if retraced:
             from mixprec.graph.kernels import choose_kernels
             from mixprec.graph.lowering import keep_whole_in
@@ -222,12 +221,11 @@ class CountingBackend:
         if not (retraced and own_gradients):
             return gm if inner == "eager" else inner(gm, example_inputs)
         # Recorded with its backward: nothing left to derive, and parameters updated in place.
-        from mixprec.graph.backend import _no_grad
-        from mixprec.graph.trace import with_lifted
+        from mixprec.graph.trace import run_without_autograd, with_lifted
 
         with torch.no_grad():
             compiled = gm if inner == "eager" else inner(gm, example_inputs)
-        return with_lifted(_no_grad(compiled), lifted)
+        return with_lifted(run_without_autograd(compiled), lifted)
 
 
 def _raw_step(optimizer: torch.optim.Optimizer) -> tuple[Callable[..., Any], bool]:

@@ -23,8 +23,8 @@ path), on a device without CUDA graphs, when torch can trace ``autograd.grad``, 
 is one graph (no step hooks, no fused optimizer) and every trainable parameter is the
 optimizer's (or has its master there). The steps before it run their forward uncompiled, so
 the forward is compiled once, inside the whole step. A graph with attention whose kernel is
-chosen per shape (`check_one_graph`), a compile that fails, or a step that breaks into several
-graphs returns to two graphs for good, and ``explain()`` says why.
+chosen per shape (`mixprec.graph.trace.check_one_graph`), a compile that fails, or a step that
+breaks into several graphs returns to two graphs for good, and ``explain()`` says why.
 
 Costs: one compilation per input signature (the two-graph step's two, where it falls back after
 a whole-step attempt, add dynamo's trace of the whole step); at run time, one guard check and
@@ -39,32 +39,10 @@ from typing import Any
 
 import torch
 
+from mixprec.graph.trace import NotOneGraph
 from mixprec.step.compiled import StepUpdate, own_code
 
-__all__ = ["NotOneGraph", "OneGraph", "WholeStep", "check_one_graph", "compiles", "trace_flag",
-           "whole_kwargs"]  # fmt: skip
-
-
-class NotOneGraph(Exception):
-    """Raised by a whole-step backend when the graph should not be compiled as one (the
-    message says why); the step then runs in two graphs."""
-
-
-def check_one_graph(gm: torch.fx.GraphModule, device_type: str, kernels: str) -> None:
-    """Raise `NotOneGraph` if `gm`, a whole step dynamo captured, should stay two graphs.
-
-    Attention on a CPU under ``kernels='auto'`` is timed per shape and may be rewritten as
-    two matrix products (`mixprec.graph.attention`): a choice made on the graph above
-    autograd, which a graph taking its own gradients is not recorded at.
-    """
-    if device_type != "cpu" or kernels != "auto":
-        return
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and "scaled_dot_product_attention" in str(node.target):
-            raise NotOneGraph(
-                "attention's route is chosen per shape above autograd, and a graph that takes "
-                "its own gradients is recorded below it"
-            )
+__all__ = ["OneGraph", "WholeStep", "compiles", "trace_flag", "whole_kwargs"]
 
 
 def trace_flag() -> str | None:
