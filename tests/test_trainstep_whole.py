@@ -101,3 +101,13 @@ def test_the_one_graph_key_is_listed_among_the_valid_ones():
     with pytest.raises(mixprec.PolicyError, match="one_graph=False"):
         mixprec.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy,
                           dtype="bf16", compile={"one_grahp": False})  # fmt: skip
+
+
+def test_an_empty_compile_dict_compiles_with_torchs_defaults():
+    # compile={} used to compile the forward yet report (and run the update) eagerly.
+    model = _model()
+    empty = mixprec.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                              F.cross_entropy, dtype="bf16", compile={})  # fmt: skip
+    for x, y in _batches(3, overflows=()):
+        empty(x, y)
+    assert empty.compiled and "(one graph)" in empty.reason, empty.reason

@@ -227,6 +227,7 @@ class TrainStep:
         whole = compile is not False and (
             capture == "compile"
             or bool(compile)
+            or isinstance(compile, dict)  # compile={}: compiled, with torch.compile's defaults
             or (compile is None and capture == "auto" and device.type != "cuda")
         )
         if capture == "cuda_graph" and device.type != "cuda":  # before initialize changes it
