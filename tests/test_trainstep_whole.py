@@ -111,3 +111,23 @@ def test_an_empty_compile_dict_compiles_with_torchs_defaults():
     for x, y in _batches(3, overflows=()):
         empty(x, y)
     assert empty.compiled and "(one graph)" in empty.reason, empty.reason
+
+
+def test_a_users_own_graph_with_gradients_and_attention_compiles_through_the_graph_pass():
+    # Outside TrainStep nothing falls back: the graph compiles, attention in its fused kernel.
+    torch.manual_seed(0)
+    q = torch.randn(2, 2, 8, 4, requires_grad=True)
+
+    def grad_of_attention(q):
+        out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        (g,) = torch.autograd.grad(out.float().square().sum(), [q])
+        return g
+
+    amp = mixprec.AmpBackend(dtype="bf16", backend="aot_eager", kernels="auto")
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        got = torch.compile(grad_of_attention, backend=amp)(q)
+    with mixprec.autocast("cpu", dtype=torch.bfloat16):
+        out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    (want,) = torch.autograd.grad(out.float().square().sum(), [q])
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    assert len(amp.reports) == 1

@@ -125,6 +125,10 @@ class AmpBackend:
         self.kernels = kernels
         self.reports: list[CastReport] = []
         self.kernel_choices: list[KernelChoice] = []
+        # Set by a TrainStep that compiles its whole step here (`mixprec.step.whole`): a graph
+        # taking its own gradients with attention whose route is chosen per shape is refused
+        # (`NotOneGraph`), and the step runs in two graphs. Other callers get the fused kernel.
+        self.refuse_per_shape_attention = False
         _keep_functions_whole(policy)
 
     def __repr__(self) -> str:
@@ -162,7 +166,8 @@ class AmpBackend:
         own_gradients = computes_gradients(gm)
         lifted: list[torch.Tensor] = []
         if own_gradients:
-            check_one_graph(gm, device, self.kernels)
+            if self.refuse_per_shape_attention:
+                check_one_graph(gm, device, self.kernels)
             gm, lifted = lift_tensor_attributes(gm)
             example_inputs = [*example_inputs, *fakes_like(example_inputs, lifted)]
         traced = trace_with_policy(gm, example_inputs, device, dtype, self.policy)

@@ -178,6 +178,7 @@ class CountingBackend:
         self.kernels = kernels
         self.compiles = 0
         self.kernel_choices: list[Any] = []
+        self.refuse_per_shape_attention = False  # as `mixprec.AmpBackend`'s
 
     def __call__(
         self,
@@ -195,7 +196,7 @@ class CountingBackend:
         from mixprec.graph.trace import computes_gradients
 
         own_gradients = computes_gradients(gm)  # before the re-trace records the backward
-        if own_gradients:
+        if own_gradients and self.refuse_per_shape_attention:
             from mixprec.graph.trace import check_one_graph
 
             check_one_graph(gm, "cpu" if on_cpu else "other", self.kernels)

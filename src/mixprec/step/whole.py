@@ -96,6 +96,7 @@ class WholeStep:
             "update to go to)"
         )
         self.backend = backend
+        backend.refuse_per_shape_attention = True  # two graphs keep attention's route
         self.reason = ""
         step = types.MethodType(own_code(WholeStep._step, "mixprec_trainstep_whole"), self)
         self._compiled = torch.compile(step, backend=backend, **compile_kwargs)
