@@ -38,13 +38,10 @@ from mixprec.graph.casts import CAST_MODES, CastReport, minimise_casts
 from mixprec.graph.kernels import KERNEL_MODES, KernelChoice, choose_kernels, summary
 from mixprec.graph.lowering import keep_whole_in
 from mixprec.graph.trace import (
-    check_one_graph,
     computes_gradients,
-    fakes_like,
-    lift_tensor_attributes,
-    run_without_autograd,
+    own_gradients_inputs,
+    own_gradients_run,
     trace_with_policy,
-    with_lifted,
 )
 from mixprec.policy.categories import OpCategory
 from mixprec.policy.policy import Policy, as_policy
@@ -164,12 +161,10 @@ class AmpBackend:
         if unkept:
             return self._as_region(gm, example_inputs, inner, unkept)
         own_gradients = computes_gradients(gm)
-        lifted: list[torch.Tensor] = []
         if own_gradients:
-            if self.refuse_per_shape_attention:
-                check_one_graph(gm, device, self.kernels)
-            gm, lifted = lift_tensor_attributes(gm)
-            example_inputs = [*example_inputs, *fakes_like(example_inputs, lifted)]
+            gm, example_inputs, lifted = own_gradients_inputs(
+                gm, example_inputs, device, self.kernels, self.refuse_per_shape_attention
+            )
         traced = trace_with_policy(gm, example_inputs, device, dtype, self.policy)
         category, reason = _deciders(self.policy, device, dtype)
         needs_grad = [isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs]
@@ -177,8 +172,8 @@ class AmpBackend:
         self.reports.append(report)
         self.kernel_choices += choose_kernels(traced, device, self.kernels)
         if inner == "eager":
-            run = run_without_autograd(traced) if own_gradients else traced
-            return with_lifted(_without_torch_autocast(run), lifted)
+            run = _without_torch_autocast(traced)
+            return own_gradients_run(run, lifted) if own_gradients else run
         inner, kept = keep_whole_in(inner, self.backend, traced, device, self.kernels, mode,
                                     options)  # fmt: skip
         self.kernel_choices += kept
@@ -188,8 +183,8 @@ class AmpBackend:
         no_backward = torch.no_grad() if own_gradients else contextlib.nullcontext()
         with torch._C._DisableAutocast(), no_backward:
             compiled = inner(traced, example_inputs)
-        run = run_without_autograd(compiled) if own_gradients else compiled
-        return with_lifted(_without_torch_autocast(run), lifted)
+        run = _without_torch_autocast(compiled)
+        return own_gradients_run(run, lifted) if own_gradients else run
 
     def _as_region(
         self, gm: fx.GraphModule, example_inputs: list[Any], inner: Any, unkept: list[str]

@@ -36,11 +36,10 @@ __all__ = [
     "NotOneGraph",
     "check_one_graph",
     "computes_gradients",
-    "fakes_like",
     "lift_tensor_attributes",
-    "run_without_autograd",
+    "own_gradients_inputs",
+    "own_gradients_run",
     "trace_with_policy",
-    "with_lifted",
 ]
 
 
@@ -74,7 +73,7 @@ def check_one_graph(gm: fx.GraphModule, device_type: str, kernels: str) -> None:
             )
 
 
-def fakes_like(example_inputs: list[Any], values: list[torch.Tensor]) -> list[Any]:
+def _fakes_like(example_inputs: list[Any], values: list[torch.Tensor]) -> list[Any]:
     """`values` as inputs of the kind dynamo gave: fake ones in its fake mode, else as they are."""
     from torch._guards import detect_fake_mode
 
@@ -82,7 +81,7 @@ def fakes_like(example_inputs: list[Any], values: list[torch.Tensor]) -> list[An
     return [mode.from_tensor(v, static_shapes=True) for v in values] if mode else list(values)
 
 
-def run_without_autograd(compiled: Any) -> Any:
+def _run_without_autograd(compiled: Any) -> Any:
     """`compiled` run with autograd off: a graph that computes its own gradients updates the
     parameters in place, which autograd would refuse on leaves that require grad."""
 
@@ -102,7 +101,7 @@ def lift_tensor_attributes(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[tor
     Recorded under a fake mode, a real attribute would meet fake values in the same op (and
     turned fake, it would be baked into the recording as a constant without data), so a graph
     that updates them, as a whole training step does, takes them as inputs instead;
-    `with_lifted` passes their values at each call.
+    `own_gradients_run` passes their values at each call.
     """
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
@@ -134,7 +133,7 @@ def lift_tensor_attributes(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[tor
     return gm, values
 
 
-def with_lifted(compiled: Any, values: list[torch.Tensor]) -> Any:
+def _with_lifted(compiled: Any, values: list[torch.Tensor]) -> Any:
     """`compiled` (of a graph `lift_tensor_attributes` changed) called as the original was:
     the lifted values are appended to each call's arguments."""
     if not values:
@@ -144,6 +143,28 @@ def with_lifted(compiled: Any, values: list[torch.Tensor]) -> Any:
         return compiled(*args, *values)
 
     return run
+
+
+def own_gradients_inputs(
+    gm: fx.GraphModule,
+    example_inputs: list[Any],
+    device_type: str,
+    kernels: str,
+    refuse_attention: bool,
+) -> tuple[fx.GraphModule, list[Any], list[torch.Tensor]]:
+    """What a backend records for a graph that takes its own gradients: `gm` with its tensor
+    attributes as trailing inputs, the inputs to record it with, and the lifted values (for
+    `own_gradients_run`). With `refuse_attention`, `check_one_graph` runs first."""
+    if refuse_attention:
+        check_one_graph(gm, device_type, kernels)
+    gm, lifted = lift_tensor_attributes(gm)
+    return gm, [*example_inputs, *_fakes_like(example_inputs, lifted)], lifted
+
+
+def own_gradients_run(compiled: Any, lifted: list[torch.Tensor]) -> Any:
+    """`compiled` (of `own_gradients_inputs`' graph) as dynamo calls the original: the lifted
+    values appended, autograd off (the graph updates parameters in place)."""
+    return _with_lifted(_run_without_autograd(compiled), lifted)
 
 
 def trace_with_policy(

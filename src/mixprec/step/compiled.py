@@ -193,20 +193,17 @@ class CountingBackend:
         inner = _inner_backend(self.backend, mode, options)
         tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
         on_cpu = bool(tensors) and all(t.device.type == "cpu" for t in tensors)
-        from mixprec.graph.trace import computes_gradients
+        from mixprec.graph.trace import computes_gradients, own_gradients_inputs, own_gradients_run
 
         own_gradients = computes_gradients(gm)  # before the re-trace records the backward
+        retraced = self.kernels != "native" and on_cpu and not _unkept_operators(gm)
         if own_gradients and self.refuse_per_shape_attention:
             from mixprec.graph.trace import check_one_graph
 
             check_one_graph(gm, "cpu" if on_cpu else "other", self.kernels)
-        retraced = self.kernels != "native" and on_cpu and not _unkept_operators(gm)
-        lifted: list[torch.Tensor] = []
         if retraced and own_gradients:
-            from mixprec.graph.trace import fakes_like, lift_tensor_attributes
-
-            gm, lifted = lift_tensor_attributes(gm)
-            example_inputs = [*example_inputs, *fakes_like(example_inputs, lifted)]
+            gm, example_inputs, lifted = own_gradients_inputs(gm, example_inputs, "cpu",
+                                                              self.kernels, False)  # fmt: skip
         if retraced:
             from mixprec.graph.kernels import choose_kernels
             from mixprec.graph.lowering import keep_whole_in
@@ -222,11 +219,9 @@ class CountingBackend:
         if not (retraced and own_gradients):
             return gm if inner == "eager" else inner(gm, example_inputs)
         # Recorded with its backward: nothing left to derive, and parameters updated in place.
-        from mixprec.graph.trace import run_without_autograd, with_lifted
-
         with torch.no_grad():
             compiled = gm if inner == "eager" else inner(gm, example_inputs)
-        return with_lifted(run_without_autograd(compiled), lifted)
+        return own_gradients_run(compiled, lifted)
 
 
 def _raw_step(optimizer: torch.optim.Optimizer) -> tuple[Callable[..., Any], bool]:

@@ -65,7 +65,6 @@ class WholeStep:
         compile_kwargs: other ``torch.compile`` keyword arguments (``mode``, ``options``).
 
     Attributes:
-        failed: why the whole step is no longer used (a compile error, a graph break), or None.
         calls: steps run as one graph.
     """
 
@@ -79,7 +78,6 @@ class WholeStep:
     ) -> None:
         self.update = update
         self._loss = loss
-        self.failed: str | None = None
         self.calls = 0
         self._graphs = 0
         opt = update.optimizer
@@ -97,7 +95,6 @@ class WholeStep:
         )
         self.backend = backend
         backend.refuse_per_shape_attention = True  # two graphs keep attention's route
-        self.reason = ""
         step = types.MethodType(own_code(WholeStep._step, "mixprec_trainstep_whole"), self)
         self._compiled = torch.compile(step, backend=backend, **compile_kwargs)
 
