@@ -18,6 +18,16 @@ gradient row that several tokens share is summed in another order).
 
 GPUs keep inductor's decompositions: its atomic adds there are fast, and fusion matters more.
 
+How the kernel is kept: with the decomposition removed from the table handed to ``compile_fx``,
+the op reaches inductor's lowering step whole, and inductor calls ATen's kernel for it, as it
+does for any op it has no lowering for (its "implicit fallback"). Inductor registers that
+fallback the first time it meets the op, and, when the ``CI`` environment variable is set,
+refuses ops that have a decomposition somewhere (a check meant for torch's own test runs). So
+mixprec registers the same fallback first, with inductor's own ``make_fallback`` and the layout
+rule inductor's implicit fallback would use for a backward op (contiguous inputs). The
+registration is process-wide but inert elsewhere: a compile with inductor's default table
+decomposes the op before lowering ever sees it.
+
 A cache note: torch's compiled-graph cache keys do not include the decomposition table, so a
 graph compiled and cached by inductor with the table changed here (or without it) may be served
 to the other; both compute the same values, only the kernel differs.
@@ -93,11 +103,25 @@ def inductor_keeping(
     for backward, _ in KEEP_WHOLE.values():
         if str(backward).replace(".default", "") in names:
             table.pop(backward, None)
+            _lower_to_aten(backward)
 
     def compile_keeping(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
         return compile_fx(gm, example_inputs, config_patches=config, decompositions=table)
 
     return compile_keeping
+
+
+def _lower_to_aten(op: Any) -> None:
+    """Register inductor's ATen fallback for `op` once (see the module docstring for why)."""
+    from torch._inductor import lowering
+
+    if op in lowering.lowerings:
+        return
+    # override_decomp: inductor's table decomposes `op`; this lowering serves only the tables
+    # mixprec hands over without it. warn=False: the CI-only refusal is for torch's own tests.
+    lowering.make_fallback(
+        op, layout_constraint=lowering.require_contiguous, warn=False, override_decomp=True
+    )
 
 
 def keep_whole_in(
