@@ -165,7 +165,8 @@ class AmpBackend:
             gm, example_inputs, lifted = own_gradients_inputs(
                 gm, example_inputs, device, self.kernels, self.refuse_per_shape_attention
             )
-        traced = trace_with_policy(gm, example_inputs, device, dtype, self.policy)
+        traced = trace_with_policy(gm, example_inputs, device, dtype, self.policy,
+                                   kernels=self.kernels)  # fmt: skip
         category, reason = _deciders(self.policy, device, dtype)
         needs_grad = [isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs]
         report = minimise_casts(traced, self.casts, category, reason, len(self.reports), needs_grad)

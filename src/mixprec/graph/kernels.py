@@ -49,7 +49,7 @@ from torch import fx
 
 from mixprec.dtypes import dtype_name
 from mixprec.errors import PolicyError, format_options
-from mixprec.graph import attention
+from mixprec.graph import attention, convolution
 
 __all__ = [
     "FAMILIES",
@@ -57,6 +57,7 @@ __all__ = [
     "KERNEL_MODES",
     "KernelChoice",
     "choose_kernels",
+    "decide_convolution",
     "probe",
     "summary",
 ]
@@ -88,6 +89,9 @@ KERNEL_MODES = {
     "fp32": "always compute heavy low-precision ops in fp32 on the low-precision values",
 }
 
+#: ``gm.meta[RECORDED]``: the `KernelChoice` s a graph's recording made (`convolution.Routes`).
+RECORDED = "mixprec_recorded_kernel_choices"
+
 _LOW = (torch.bfloat16, torch.float16)
 _MARGIN = 1.1  # the fp32 route must win by this factor: casts cost something the timing misses
 
@@ -100,14 +104,15 @@ class KernelChoice:
         op: the aten op (``'aten.linear'``).
         shapes: its input shapes, as compiled.
         dtype: the low dtype the policy put it in.
-        route: ``'native'``, ``'fp32'``, (attention) ``'matmuls'``, or (a backward op left
-            to torch's kernel on a CPU, `mixprec.graph.lowering`) ``'aten'``.
+        route: ``'native'``, ``'fp32'``, (attention, a convolution) ``'matmuls'``, or (a
+            backward op left to torch's kernel on a CPU, `mixprec.graph.lowering`) ``'aten'``.
         native_ms, fp32_ms: the family probe's forward + backward times (one representative
             size per family, not this op's shapes; for attention under ``kernels='auto'``,
-            this op's own shapes); None when not measured.
+            this op's own shapes; for a convolution routed to a product, the convolution
+            kernel's at its shapes); None when not measured.
         reason: the decision in words.
-        matmuls_ms: attention under ``kernels='auto'``: the forward + backward time of the
-            two-product route at this op's shapes; None otherwise.
+        matmuls_ms: attention or a convolution under ``kernels='auto'``: the forward +
+            backward time of the product route at this op's shapes; None otherwise.
     """
 
     op: str
@@ -149,7 +154,7 @@ def choose_kernels(gm: fx.GraphModule, device_type: str, mode: str = "auto") -> 
         raise PolicyError(f"unknown kernels mode {mode!r}; valid: {format_options(KERNEL_MODES)}.")
     if mode == "native" or device_type != "cpu":
         return []
-    choices = []
+    choices = list(gm.meta.get(RECORDED, ()))  # routes taken while the graph was recorded
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in HEAVY_OPS:
             continue
@@ -352,6 +357,75 @@ def _decide_attention(node: fx.Node, low: torch.dtype) -> KernelChoice:
         )
     return KernelChoice("aten.scaled_dot_product_attention", shapes, name, route, native_ms,
                         fp32_ms, reason, matmuls_ms)  # fmt: skip
+
+
+#: `mixprec.graph.convolution.probe_key` -> (kernel, product) ms, per process.
+_CONVOLUTION_CACHE: dict[tuple[Any, ...], tuple[float, float]] = {}
+
+
+def _family_in_fp32(family: str, low: torch.dtype) -> bool:
+    """Whether ``kernels='auto'`` computes `family`'s ops in fp32 on this machine."""
+    native, fp32 = probe(family, low)
+    return fp32 * _MARGIN < native
+
+
+def decide_convolution(args: tuple, kwargs: dict) -> KernelChoice | None:
+    """The ``'matmuls'`` route for a ``conv2d`` call (one `convolution.decomposable` accepts)
+    when its product is faster at these shapes, timed once per process; else None (the
+    convolution family's route then applies, `choose_kernels`).
+
+    Each route is timed as it would run: the convolution in fp32 where the family's probe
+    chose fp32 on this machine, the product likewise by the matrix-product family's probe.
+    """
+    call = convolution.arguments(args, kwargs)
+    x, w = call["input"], call["weight"]
+    geometry = tuple(call[k] for k in ("stride", "padding", "dilation", "groups"))
+    low = x.dtype
+    key = convolution.probe_key(args, kwargs)
+    if key not in _CONVOLUTION_CACHE:
+        conv_fp32 = _family_in_fp32("convolution", low)
+        mm_fp32 = _family_in_fp32("matmul", low)
+        # input, weight, bias: a shape each (None: no bias)
+        shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else None
+                  for t in (x, w, call["bias"])]  # fmt: skip
+        grads = (x.requires_grad, True, True)
+
+        def run(op: Any, in_fp32: bool) -> Any:
+            tensors: list[Any] = []
+
+            def go() -> None:
+                if not tensors:  # made on the probe's thread: the caller's may be recording
+                    g = torch.Generator().manual_seed(0)
+                    for shape in shapes:
+                        random = None if shape is None else torch.randn(shape, generator=g)
+                        tensors.append(None if random is None else (random * 0.1).to(low))
+                    if key[-1]:  # a channels-last input
+                        tensors[0] = tensors[0].contiguous(memory_format=torch.channels_last)
+                inputs = [
+                    t.detach().requires_grad_(need) if isinstance(t, torch.Tensor) else t
+                    for t, need in zip(tensors, grads, strict=False)
+                ]
+                cast = [t.float() if isinstance(t, torch.Tensor) else t for t in inputs]
+                out = op(*(cast if in_fp32 else inputs), *geometry)
+                out.to(low).backward(torch.ones(out.shape, dtype=low))
+
+            return go
+
+        routes = (run(torch.nn.functional.conv2d, conv_fp32),
+                  run(convolution.convolution_by_matmuls, mm_fp32))  # fmt: skip
+        _CONVOLUTION_CACHE[key] = _in_own_thread(lambda: _time_routes(*routes))
+    kernel_ms, product_ms = _CONVOLUTION_CACHE[key]
+    if product_ms * _MARGIN >= kernel_ms:
+        return None
+    name = dtype_name(low)
+    shapes = tuple(tuple(int(n) for n in t.shape) for t in (x, w))
+    reason = (
+        f"one matrix product is the faster (forward and backward at these shapes: the "
+        f"convolution kernel {kernel_ms:.3g} ms, the product {product_ms:.3g} ms); no input "
+        f"element feeds two outputs, so its {name} arithmetic is the kernel's"
+    )
+    return KernelChoice("aten.conv2d", shapes, name, "matmuls", kernel_ms, None, reason,
+                        product_ms)  # fmt: skip
 
 
 def _time_pair(a: Any, b: Any, rounds: int = 3) -> tuple[float, float]:

@@ -174,6 +174,7 @@ def trace_with_policy(
     dtype: torch.dtype,
     policy: Policy,
     region: bool = True,
+    kernels: str = "native",
 ) -> fx.GraphModule:
     """Record `gm` run under ``mixprec.autocast(device_type, dtype, policy)`` as an aten graph.
 
@@ -184,6 +185,10 @@ def trace_with_policy(
         gm: a torch-level graph (what dynamo passes to a backend).
         example_inputs: its inputs (fake tensors from dynamo, or real ones).
         device_type, dtype, policy: the region the whole graph runs in.
+        kernels: the `mixprec.AmpBackend` ``kernels`` mode. Under ``'auto'`` on a CPU, each
+            2-D convolution the product is faster for is recorded as one
+            (`mixprec.graph.convolution`); the choices are kept in
+            ``traced.meta[mixprec.graph.kernels.RECORDED]`` for `choose_kernels`.
 
     Returns:
         A pre-dispatch aten ``GraphModule`` with the same calling convention as `gm`, in which
@@ -194,12 +199,21 @@ def trace_with_policy(
     from torch.fx.experimental.proxy_tensor import make_fx
 
     interpreter = _Annotating(gm, device_type if region else None)
+    routes = None
+    if kernels == "auto" and device_type == "cpu":
+        from mixprec.graph.convolution import Routes
+        from mixprec.graph.kernels import decide_convolution
+
+        routes = Routes(decide_convolution)
 
     def run(*args: Any) -> Any:
-        if not region:
-            return interpreter.run(*args)
-        with autocast(device_type, dtype=dtype, policy=policy):
-            return interpreter.run(*args)
+        # The routes' mode is entered first, so it sits below the region's and sees each call
+        # with the dtypes the policy gave it.
+        with routes if routes is not None else contextlib.nullcontext():
+            if not region:
+                return interpreter.run(*args)
+            with autocast(device_type, dtype=dtype, policy=policy):
+                return interpreter.run(*args)
 
     # A graph that computes its own gradients is recorded below autograd: the backward's ops
     # then take the recorded forward values as inputs (above autograd, make_fx would see them
@@ -211,7 +225,7 @@ def trace_with_policy(
     if fake_mode is None:
         with fx_traceback.preserve_node_meta():
             traced = make_fx(run, pre_dispatch=not whole, tracing_mode="fake")(*example_inputs)
-        return keep(traced, example_inputs)
+        return _recorded(keep(traced, example_inputs), routes)
     # Dynamo's own fake mode (and its shape environment): symbolic sizes stay symbolic.
     fakes = [
         fake_mode.from_tensor(t)
@@ -221,7 +235,15 @@ def trace_with_policy(
     ]
     with fake_mode, fx_traceback.preserve_node_meta():
         traced = make_fx(run, pre_dispatch=not whole, tracing_mode="real")(*fakes)
-    return keep(traced, fakes)
+    return _recorded(keep(traced, fakes), routes)
+
+
+def _recorded(traced: fx.GraphModule, routes: Any) -> fx.GraphModule:
+    if routes is not None and routes.choices:
+        from mixprec.graph.kernels import RECORDED
+
+        traced.meta[RECORDED] = list(routes.choices)
+    return traced
 
 
 def _inputs_keep_requires_grad(traced: fx.GraphModule, inputs: list[Any]) -> fx.GraphModule:

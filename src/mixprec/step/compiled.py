@@ -211,7 +211,7 @@ class CountingBackend:
             from mixprec.policy.policy import Policy
 
             gm = trace_with_policy(gm, example_inputs, "cpu", torch.bfloat16, Policy(),
-                                   region=False)  # fmt: skip
+                                   region=False, kernels=self.kernels)  # fmt: skip
             self.kernel_choices += choose_kernels(gm, "cpu", self.kernels)
             inner, kept = keep_whole_in(inner, self.backend, gm, "cpu", self.kernels, mode,
                                         options)  # fmt: skip
