@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from mixprec.graph import convolution, kernels
+from mixprec.graph import kernels
 from mixprec.graph.convolution import convolution_by_matmuls, decomposable
+from mixprec.graph.routes import Routes
 
 #: (input shape, weight shape, stride, padding, dilation): every kind the route takes.
 ELIGIBLE = [
@@ -207,7 +208,7 @@ def test_trainstep_keeps_one_graph_with_products(monkeypatch, level):
 
 
 def test_routes_leave_other_calls_alone():
-    routes = convolution.Routes(lambda args, kwargs: pytest.fail("asked about a refused call"))
+    routes = Routes(lambda args, kwargs: pytest.fail("asked about a refused call"))
     x = torch.randn(1, 2, 4, 4)
     with routes:
         y = F.conv2d(x, torch.randn(3, 2, 3, 3), padding=1)  # fp32: not offered

@@ -42,10 +42,15 @@ from torch import fx
 __all__ = [
     "MAX_SCORE_BYTES",
     "attention_by_matmuls",
+    "call_arguments",
     "decomposable",
+    "inputs_like",
+    "key_of",
+    "layout_order",
     "output_order",
     "probe_inputs",
     "probe_key",
+    "refusal",
     "rewrite",
     "sdpa_arguments",
 ]
@@ -148,35 +153,59 @@ class _Scores(torch.autograd.Function):
 def output_order(node: fx.Node) -> tuple[int, ...] | None:
     """The fused kernel's output layout for `node` as a dimension order, None if contiguous."""
     val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor) or val.is_contiguous():
+    return layout_order(val) if isinstance(val, torch.Tensor) else None
+
+
+def layout_order(t: torch.Tensor) -> tuple[int, ...] | None:
+    """`t`'s dimensions from outermost to innermost in memory, None if contiguous."""
+    if t.is_contiguous():
         return None
-    order = sorted(range(val.dim()), key=lambda d: -val.stride(d))
-    return tuple(order)
+    return tuple(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
 
 
 def sdpa_arguments(node: fx.Node) -> dict[str, Any]:
     """The arguments of an ``aten.scaled_dot_product_attention`` node, by name."""
+    return call_arguments(node.args, node.kwargs)
+
+
+def call_arguments(args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The arguments of a ``scaled_dot_product_attention(*args, **kwargs)`` call, by name."""
     named = dict(_DEFAULTS)
-    named.update(zip(_SIGNATURE, node.args, strict=False))
-    named.update(node.kwargs)
+    named.update(zip(_SIGNATURE, args, strict=False))
+    named.update(kwargs)
     return named
+
+
+def _values(node: fx.Node) -> dict[str, Any]:
+    """`node`'s arguments by name, each node replaced by its recorded (fake) value."""
+    return {
+        name: (arg.meta.get("val") if isinstance(arg, fx.Node) else arg)
+        for name, arg in sdpa_arguments(node).items()
+    }
 
 
 def decomposable(node: fx.Node) -> str | None:
     """Why `node` (an SDPA call with 16-bit fake values) must keep the fused kernel, or None."""
-    args = sdpa_arguments(node)
-    vals = [getattr(args[n], "meta", {}).get("val") for n in ("query", "key", "value")]
+    return refusal(_values(node))
+
+
+def refusal(named: dict[str, Any]) -> str | None:
+    """Why an attention with these arguments (by name, tensors or fake tensors) must keep the
+    fused kernel, or None."""
+    vals = [named[n] for n in ("query", "key", "value")]
     if not all(isinstance(v, torch.Tensor) for v in vals):
         return "its inputs carry no shapes"
     query, key, _ = vals
-    if args["dropout_p"] != 0.0:
+    if named["dropout_p"] != 0.0:
         return "it applies dropout (the fused kernel draws its own mask)"
-    if args["enable_gqa"]:
+    if named["enable_gqa"]:
         return "grouped-query attention (enable_gqa=True)"
     if query.is_nested or query.dim() < 3 or query.shape[:-2] != key.shape[:-2]:
         return "its query and key batch shapes differ (broadcasting or nested inputs)"
-    if args["attn_mask"] is not None and args["is_causal"]:
+    if named["attn_mask"] is not None and named["is_causal"]:
         return "both attn_mask and is_causal are given"
+    if not all(isinstance(s, int) for v in vals for s in v.shape):
+        return "symbolic sizes"
     nbytes = 4 * query.shape[:-1].numel() * key.shape[-2]
     if nbytes > MAX_SCORE_BYTES:
         return (
@@ -187,36 +216,40 @@ def decomposable(node: fx.Node) -> str | None:
 
 
 def probe_key(node: fx.Node) -> tuple[Any, ...]:
-    """What the timing of `node` depends on: its inputs' shapes and dtypes, the mask's, the
+    """What the timing of `node` depends on (see `key_of`)."""
+    return key_of(_values(node))
+
+
+def key_of(named: dict[str, Any]) -> tuple[Any, ...]:
+    """What an attention's timing depends on: its inputs' shapes and dtypes, the mask's, the
     causal flag and the scale (a cache key; nothing is allocated)."""
-    args = sdpa_arguments(node)
-    vals = [args[n].meta["val"] for n in ("query", "key", "value")]
-    mask = args["attn_mask"]
-    mask_val = mask.meta["val"] if isinstance(mask, fx.Node) else None
+    mask = named["attn_mask"]
     return (
-        *((tuple(v.shape), v.dtype) for v in vals),
-        None if mask_val is None else (tuple(mask_val.shape), mask_val.dtype),
-        bool(args["is_causal"]),
-        args["scale"],
+        *((tuple(named[n].shape), named[n].dtype) for n in ("query", "key", "value")),
+        None if not isinstance(mask, torch.Tensor) else (tuple(mask.shape), mask.dtype),
+        bool(named["is_causal"]),
+        named["scale"],
     )
 
 
 def probe_inputs(node: fx.Node) -> tuple[list[torch.Tensor], dict[str, Any]]:
     """Random real tensors with `node`'s shapes and dtypes, and its other arguments."""
-    args = sdpa_arguments(node)
+    return inputs_like(key_of(_values(node)))
+
+
+def inputs_like(key: tuple[Any, ...]) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    """Random real tensors with the shapes and dtypes of a `key_of` key, and the other
+    arguments (allocates: call it where the timing runs, not while a graph is recorded)."""
+    *qkv, mask, is_causal, scale = key
     g = torch.Generator().manual_seed(0)
-    tensors = []
-    for name in ("query", "key", "value"):
-        val = args[name].meta["val"]
-        tensors.append((torch.randn(tuple(val.shape), generator=g) * 0.5).to(val.dtype))
-    kwargs: dict[str, Any] = {"is_causal": bool(args["is_causal"]), "scale": args["scale"]}
-    mask = args["attn_mask"]
-    if isinstance(mask, fx.Node):
-        val = mask.meta["val"]
-        if val.dtype == torch.bool:
-            kwargs["attn_mask"] = torch.rand(tuple(val.shape), generator=g) > 0.2
+    tensors = [(torch.randn(shape, generator=g) * 0.5).to(dtype) for shape, dtype in qkv]
+    kwargs: dict[str, Any] = {"is_causal": is_causal, "scale": scale}
+    if mask is not None:
+        shape, dtype = mask
+        if dtype == torch.bool:
+            kwargs["attn_mask"] = torch.rand(shape, generator=g) > 0.2
         else:
-            kwargs["attn_mask"] = torch.zeros(tuple(val.shape), dtype=val.dtype)
+            kwargs["attn_mask"] = torch.zeros(shape, dtype=dtype)
     return tensors, kwargs
 
 

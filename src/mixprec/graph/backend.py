@@ -122,10 +122,6 @@ class AmpBackend:
         self.kernels = kernels
         self.reports: list[CastReport] = []
         self.kernel_choices: list[KernelChoice] = []
-        # Set by a TrainStep that compiles its whole step here (`mixprec.step.whole`): a graph
-        # taking its own gradients with attention whose route is chosen per shape is refused
-        # (`NotOneGraph`), and the step runs in two graphs. Other callers get the fused kernel.
-        self.refuse_per_shape_attention = False
         _keep_functions_whole(policy)
 
     def __repr__(self) -> str:
@@ -162,9 +158,7 @@ class AmpBackend:
             return self._as_region(gm, example_inputs, inner, unkept)
         own_gradients = computes_gradients(gm)
         if own_gradients:
-            gm, example_inputs, lifted = own_gradients_inputs(
-                gm, example_inputs, device, self.kernels, self.refuse_per_shape_attention
-            )
+            gm, example_inputs, lifted = own_gradients_inputs(gm, example_inputs)
         traced = trace_with_policy(gm, example_inputs, device, dtype, self.policy,
                                    kernels=self.kernels)  # fmt: skip
         category, reason = _deciders(self.policy, device, dtype)

@@ -27,10 +27,9 @@ summed in 16 bits across patches; those convolutions keep the kernel.
 
 `mixprec.graph.kernels` times both routes at each distinct shape (forward and backward, a few
 milliseconds, once per process) and uses the product where it is faster by the kernels'
-margin. The choice is made while the graph is recorded (`Routes`, a function mode below the
-policy's region: it sees each convolution with the dtypes the policy gave it), so the
-product's backward is derived by autograd, and a graph that takes its own gradients (a whole
-training step) gets it too.
+margin. The choice is made while the graph is recorded (`mixprec.graph.routes.Routes`), so
+the product's backward is derived by autograd, and a graph that takes its own gradients (a
+whole training step) gets it too.
 """
 
 from __future__ import annotations
@@ -39,9 +38,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
-__all__ = ["Routes", "arguments", "convolution_by_matmuls", "decomposable", "probe_key"]
+__all__ = ["arguments", "convolution_by_matmuls", "decomposable", "probe_key"]
 
 _LOW = (torch.bfloat16, torch.float16)
 
@@ -137,29 +135,3 @@ def convolution_by_matmuls(
     out = out.reshape(n, ho, wo, co).permute(0, 3, 1, 2)  # channels-last memory
     channels_last = input.is_contiguous(memory_format=torch.channels_last)
     return out if channels_last and not input.is_contiguous() else out.contiguous()
-
-
-class Routes(TorchFunctionMode):
-    """While a graph is recorded: each ``conv2d`` that `decide` routes to the product runs as
-    `convolution_by_matmuls`.
-
-    Entered *below* the policy's region (before it), so it sees each call with the dtypes the
-    region gave it, and the product's own ops run under no mode (the region does not recast
-    them). `decide(args, kwargs)` returns a `mixprec.graph.kernels.KernelChoice` or None;
-    the choices made are kept in `choices`.
-    """
-
-    def __init__(self, decide: Any) -> None:
-        super().__init__()
-        self._decide = decide
-        self.choices: list[Any] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.conv2d and decomposable(args, kwargs) is None:
-            choice = self._decide(args, kwargs)
-            if choice is not None:
-                self.choices.append(choice)
-                if choice.route == "matmuls":
-                    return convolution_by_matmuls(*args, **kwargs)
-        return func(*args, **kwargs)

@@ -57,6 +57,7 @@ __all__ = [
     "KERNEL_MODES",
     "KernelChoice",
     "choose_kernels",
+    "decide_attention",
     "decide_convolution",
     "probe",
     "summary",
@@ -297,8 +298,9 @@ def _in_own_thread(timing: Any) -> Any:
     return result[0]
 
 
-#: `mixprec.graph.attention.probe_key` -> (fused, fused in fp32, two products) ms, per process.
-_ATTENTION_CACHE: dict[tuple[Any, ...], tuple[float, float, float]] = {}
+#: `mixprec.graph.attention.key_of` -> (fused, fused in fp32, two products) ms and the fused
+#: kernel's output layout, per process.
+_ATTENTION_CACHE: dict[tuple[Any, ...], tuple[float, float, float, Any]] = {}
 
 
 def _decide_attention(node: fx.Node, low: torch.dtype) -> KernelChoice:
@@ -309,32 +311,54 @@ def _decide_attention(node: fx.Node, low: torch.dtype) -> KernelChoice:
     each: the fused 16-bit kernel, the fused kernel in fp32 on the 16-bit values, and
     `mixprec.graph.attention.attention_by_matmuls`.
     """
-    key = attention.probe_key(node)
+    choice, _ = _attention_choice(attention.probe_key(node), low)
+    return choice
+
+
+def decide_attention(args: tuple, kwargs: dict) -> tuple[KernelChoice, Any] | None:
+    """For a ``scaled_dot_product_attention`` call while a graph that takes its own gradients
+    is recorded (`convolution.Routes`): its route as `_decide_attention` chooses it, and the
+    fused kernel's output layout (for the products); None where the call must keep the fused
+    kernel (16-bit CPU inputs only, `attention.refusal`)."""
+    named = attention.call_arguments(args, kwargs)
+    if attention.refusal(named) is not None:
+        return None
+    qkv = [named[n] for n in ("query", "key", "value")]
+    low = qkv[0].dtype
+    if low not in _LOW or any(t.dtype != low or t.device.type != "cpu" for t in qkv):
+        return None
+    return _attention_choice(attention.key_of(named), low)
+
+
+def _attention_choice(key: tuple[Any, ...], low: torch.dtype) -> tuple[KernelChoice, Any]:
     if key not in _ATTENTION_CACHE:
-        tensors, kwargs = attention.probe_inputs(node)  # only when timing: they take memory
         fused = torch.nn.functional.scaled_dot_product_attention
 
         def in_fp32(*qkv: torch.Tensor, **kw: Any) -> torch.Tensor:
             return fused(*(t.float() for t in qkv), **kw).to(low)
 
-        def run(op: Any) -> Any:
-            def go() -> None:
-                inputs = [t.detach().requires_grad_() for t in tensors]
-                out = op(*inputs, **kwargs)
-                out.backward(torch.ones_like(out))
+        def measure() -> tuple[float, float, float, Any]:
+            # The inputs are made here, on the probe's thread: the caller may be recording.
+            tensors, kwargs = attention.inputs_like(key)
+            order = attention.layout_order(fused(*tensors, **kwargs))
 
-            return go
+            def by_matmuls(*qkv: torch.Tensor, **kw: Any) -> torch.Tensor:
+                return attention.attention_by_matmuls(*qkv, **kw, dim_order=order)
 
-        order = attention.output_order(node)
+            def run(op: Any) -> Any:
+                def go() -> None:
+                    inputs = [t.detach().requires_grad_() for t in tensors]
+                    out = op(*inputs, **kwargs)
+                    out.backward(torch.ones_like(out))
 
-        def by_matmuls(*qkv: torch.Tensor, **kw: Any) -> torch.Tensor:
-            return attention.attention_by_matmuls(*qkv, **kw, dim_order=order)
+                return go
 
-        routes = (run(fused), run(in_fp32), run(by_matmuls))
-        _ATTENTION_CACHE[key] = _in_own_thread(lambda: _time_routes(*routes))
-    native_ms, fp32_ms, matmuls_ms = _ATTENTION_CACHE[key]
+            return (*_time_routes(run(fused), run(in_fp32), run(by_matmuls)), order)
+
+        _ATTENTION_CACHE[key] = _in_own_thread(measure)
+    native_ms, fp32_ms, matmuls_ms, order = _ATTENTION_CACHE[key]
     name = dtype_name(low)
-    shapes = tuple(tuple(int(n) for n in t.shape) for t in _floating_inputs(node))
+    shapes = tuple(shape for shape, _ in key[:3])
     timings = (
         f"forward and backward at these shapes: fused {name} kernel {native_ms:.3g} ms, fused "
         f"in fp32 {fp32_ms:.3g} ms, two matrix products {matmuls_ms:.3g} ms"
@@ -355,8 +379,9 @@ def _decide_attention(node: fx.Node, low: torch.dtype) -> KernelChoice:
             f"fp32 on the same {name} values is the fastest ({timings}); the result is rounded "
             f"to {name} as the op's own would be"
         )
-    return KernelChoice("aten.scaled_dot_product_attention", shapes, name, route, native_ms,
-                        fp32_ms, reason, matmuls_ms)  # fmt: skip
+    choice = KernelChoice("aten.scaled_dot_product_attention", shapes, name, route, native_ms,
+                          fp32_ms, reason, matmuls_ms)  # fmt: skip
+    return choice, order
 
 
 #: `mixprec.graph.convolution.probe_key` -> (kernel, product) ms, per process.

@@ -33,8 +33,6 @@ from mixprec.eager.autocast import autocast
 from mixprec.policy.policy import Policy
 
 __all__ = [
-    "NotOneGraph",
-    "check_one_graph",
     "computes_gradients",
     "lift_tensor_attributes",
     "own_gradients_inputs",
@@ -49,28 +47,6 @@ def computes_gradients(gm: fx.GraphModule) -> bool:
     return any(
         node.op == "call_function" and node.target is torch.autograd.grad for node in gm.graph.nodes
     )
-
-
-class NotOneGraph(Exception):
-    """Raised by a backend given a whole training step (a graph that takes its own
-    gradients) that should not be compiled as one; the message says why."""
-
-
-def check_one_graph(gm: fx.GraphModule, device_type: str, kernels: str) -> None:
-    """Raise `NotOneGraph` if `gm`, a whole step dynamo captured, should stay two graphs.
-
-    Attention on a CPU under ``kernels='auto'`` is timed per shape and may be rewritten as
-    two matrix products (`mixprec.graph.attention`): a choice made on the graph above
-    autograd, which a graph taking its own gradients is not recorded at.
-    """
-    if device_type != "cpu" or kernels != "auto":
-        return
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and "scaled_dot_product_attention" in str(node.target):
-            raise NotOneGraph(
-                "attention's route is chosen per shape above autograd, and a graph that takes "
-                "its own gradients is recorded below it"
-            )
 
 
 def _fakes_like(example_inputs: list[Any], values: list[torch.Tensor]) -> list[Any]:
@@ -148,15 +124,10 @@ def _with_lifted(compiled: Any, values: list[torch.Tensor]) -> Any:
 def own_gradients_inputs(
     gm: fx.GraphModule,
     example_inputs: list[Any],
-    device_type: str,
-    kernels: str,
-    refuse_attention: bool,
 ) -> tuple[fx.GraphModule, list[Any], list[torch.Tensor]]:
     """What a backend records for a graph that takes its own gradients: `gm` with its tensor
     attributes as trailing inputs, the inputs to record it with, and the lifted values (for
-    `own_gradients_run`). With `refuse_attention`, `check_one_graph` runs first."""
-    if refuse_attention:
-        check_one_graph(gm, device_type, kernels)
+    `own_gradients_run`)."""
     gm, lifted = lift_tensor_attributes(gm)
     return gm, [*example_inputs, *_fakes_like(example_inputs, lifted)], lifted
 
@@ -187,7 +158,8 @@ def trace_with_policy(
         device_type, dtype, policy: the region the whole graph runs in.
         kernels: the `mixprec.AmpBackend` ``kernels`` mode. Under ``'auto'`` on a CPU, each
             2-D convolution the product is faster for is recorded as one
-            (`mixprec.graph.convolution`); the choices are kept in
+            (`mixprec.graph.routes`; in a graph that takes its own gradients, attention's
+            route too); the choices are kept in
             ``traced.meta[mixprec.graph.kernels.RECORDED]`` for `choose_kernels`.
 
     Returns:
@@ -199,12 +171,15 @@ def trace_with_policy(
     from torch.fx.experimental.proxy_tensor import make_fx
 
     interpreter = _Annotating(gm, device_type if region else None)
+    whole = computes_gradients(gm)
     routes = None
     if kernels == "auto" and device_type == "cpu":
-        from mixprec.graph.convolution import Routes
-        from mixprec.graph.kernels import decide_convolution
+        from mixprec.graph.kernels import decide_attention, decide_convolution
+        from mixprec.graph.routes import Routes
 
-        routes = Routes(decide_convolution)
+        # Attention is routed here only in a graph that takes its own gradients: a forward
+        # graph's is rewritten on the aten graph (`choose_kernels`), as before.
+        routes = Routes(decide_convolution, decide_attention if whole else None)
 
     def run(*args: Any) -> Any:
         # The routes' mode is entered first, so it sits below the region's and sees each call
@@ -219,7 +194,6 @@ def trace_with_policy(
     # then take the recorded forward values as inputs (above autograd, make_fx would see them
     # reach the backward's kernels untracked). Composites appear decomposed there (``linear``
     # as ``t`` and ``addmm``), and the graph needs no gradient of its own.
-    whole = computes_gradients(gm)
     keep = (lambda traced, inputs: traced) if whole else _inputs_keep_requires_grad
     fake_mode = detect_fake_mode(example_inputs)
     if fake_mode is None:

@@ -178,7 +178,6 @@ class CountingBackend:
         self.kernels = kernels
         self.compiles = 0
         self.kernel_choices: list[Any] = []
-        self.refuse_per_shape_attention = False  # as `mixprec.AmpBackend`'s
 
     def __call__(
         self,
@@ -197,13 +196,8 @@ class CountingBackend:
 
         own_gradients = computes_gradients(gm)  # before the re-trace records the backward
         retraced = self.kernels != "native" and on_cpu and not _unkept_operators(gm)
-        if own_gradients and self.refuse_per_shape_attention:
-            from mixprec.graph.trace import check_one_graph
-
-            check_one_graph(gm, "cpu" if on_cpu else "other", self.kernels)
         if retraced and own_gradients:
-            gm, example_inputs, lifted = own_gradients_inputs(gm, example_inputs, "cpu",
-                                                              self.kernels, False)  # fmt: skip
+            gm, example_inputs, lifted = own_gradients_inputs(gm, example_inputs)
         if retraced:
             from mixprec.graph.kernels import choose_kernels
             from mixprec.graph.lowering import keep_whole_in

@@ -22,9 +22,10 @@ an eager first step, or loaded from a checkpoint: a resumed run takes the uninte
 path), on a device without CUDA graphs, when torch can trace ``autograd.grad``, when the update
 is one graph (no step hooks, no fused optimizer) and every trainable parameter is the
 optimizer's (or has its master there). The steps before it run their forward uncompiled, so
-the forward is compiled once, inside the whole step. A graph with attention whose kernel is
-chosen per shape (`mixprec.graph.trace.check_one_graph`), a compile that fails, or a step that
-breaks into several graphs returns to two graphs for good, and ``explain()`` says why.
+the forward is compiled once, inside the whole step. Kernel routes that replace an op (a
+convolution or attention as matrix products, `mixprec.graph.routes`) are taken while the
+graph is recorded, so the one graph has them too. A compile that fails, or a step that breaks
+into several graphs, returns to two graphs for good, and ``explain()`` says why.
 
 Costs: one compilation per input signature (the two-graph step's two, where it falls back after
 a whole-step attempt, add dynamo's trace of the whole step); at run time, one guard check and
@@ -39,7 +40,6 @@ from typing import Any
 
 import torch
 
-from mixprec.graph.trace import NotOneGraph
 from mixprec.step.compiled import StepUpdate, own_code
 
 __all__ = ["OneGraph", "WholeStep", "compiles", "trace_flag", "whole_kwargs"]
@@ -94,7 +94,6 @@ class WholeStep:
             "update to go to)"
         )
         self.backend = backend
-        backend.refuse_per_shape_attention = True  # two graphs keep attention's route
         step = types.MethodType(own_code(WholeStep._step, "mixprec_trainstep_whole"), self)
         self._compiled = torch.compile(step, backend=backend, **compile_kwargs)
 
@@ -229,14 +228,8 @@ class OneGraph:
         except (torch._dynamo.exc.TorchDynamoException, RuntimeError) as err:
             if whole.calls:  # it ran before: the error is this batch's, not the compiler's
                 raise
-            cause: BaseException | None = err
-            while cause is not None and not isinstance(cause, NotOneGraph):
-                cause = cause.__cause__ or cause.__context__
-            if cause is not None:
-                self.off = str(cause)
-            else:
-                first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-                self.off = f"compiling the step as one graph failed ({first})"
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+            self.off = f"compiling the step as one graph failed ({first})"
             self.whole = None
             return None
         if whole.compiles - before > 1:
