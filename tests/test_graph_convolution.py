@@ -27,6 +27,8 @@ ELIGIBLE = [
     ((2, 4, 6, 6), (5, 4, 2, 2), 2, 0, 1),  # 2x2 at stride 2: patches tile the map
     ((2, 4, 7, 7), (5, 4, 2, 2), 3, 1, 2),  # dilated, stride >= extent
     ((2, 4, 1, 9), (5, 4, 3, 3), (1, 3), 1, 1),  # one output row, tiled columns
+    ((2, 4, 3, 6), (5, 4, 3, 1), (1, 2), 0, 1),  # one output row, strided 1-wide columns
+    ((2, 4, 1, 5), (5, 4, 5, 1), (1, 2), (2, 0), (1, 1)),  # padding rows left out, with taps
 ]
 
 
