@@ -108,7 +108,7 @@ def test_the_route_is_offered_only_where_it_keeps_the_arithmetic(args, kwargs, w
 
 
 def test_the_decision_times_both_routes_once_per_shape(monkeypatch):
-    timings = iter([(2.0, 1.0), (1.0, 0.95), (3.0, 1.0)])
+    timings = iter([(2.0, 1.0), (1.0, 0.95), (3.0, 1.0), (2.0, 1.0)])
     calls = []
 
     def fake_time(*routes, rounds=3):
@@ -133,7 +133,9 @@ def test_the_decision_times_both_routes_once_per_shape(monkeypatch):
     assert kernels.decide_convolution((x,), {"weight": w, "bias": bias, "stride": 2}).route == (
         "matmuls"
     )
-    assert calls == [2, 2, 2]
+    # A frozen layer (nothing needs a gradient) is timed as a forward alone, under its own key.
+    assert kernels.decide_convolution((x.detach(), w, None, 2), {}).route == "matmuls"
+    assert calls == [2, 2, 2, 2] and len(kernels._CONVOLUTION_CACHE) == 4
 
 
 class _Net(nn.Module):

@@ -413,7 +413,7 @@ def decide_convolution(args: tuple, kwargs: dict) -> KernelChoice | None:
         # input, weight, bias: a shape each (None: no bias)
         shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else None
                   for t in (x, w, call["bias"])]  # fmt: skip
-        grads = (x.requires_grad, True, True)
+        grads = key[-2]  # which of input, weight and bias need a gradient
 
         def run(op: Any, in_fp32: bool) -> Any:
             tensors: list[Any] = []
@@ -432,7 +432,8 @@ def decide_convolution(args: tuple, kwargs: dict) -> KernelChoice | None:
                 ]
                 cast = [t.float() if isinstance(t, torch.Tensor) else t for t in inputs]
                 out = op(*(cast if in_fp32 else inputs), *geometry)
-                out.to(low).backward(torch.ones(out.shape, dtype=low))
+                if out.requires_grad:
+                    out.to(low).backward(torch.ones(out.shape, dtype=low))
 
             return go
 
