@@ -217,3 +217,18 @@ def test_routes_leave_other_calls_alone():
     with routes:
         y = F.conv2d(x, torch.randn(3, 2, 3, 3), padding=1)  # fp32: not offered
     assert y.shape == (1, 3, 4, 4) and routes.choices == []
+
+
+@pytest.mark.compile
+def test_native_kernels_leave_every_convolution_to_its_kernel(monkeypatch):
+    monkeypatch.setattr(
+        kernels, "decide_convolution", lambda args, kwargs: pytest.fail("timed under 'native'")
+    )
+    torch.manual_seed(0)
+    model = _Net()
+    x = torch.randn(4, 3, 4, 4)
+    amp = mixprec.AmpBackend(dtype="bf16", backend="aot_eager", kernels="native")
+    out = torch.compile(model, backend=amp)(x)
+    with mixprec.autocast("cpu", dtype=torch.bfloat16):
+        ref = model(x)
+    assert amp.kernel_choices == [] and torch.equal(out, ref)
