@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import mixprec
 from mixprec.bench.models import GPT, GPTConfig
+from mixprec.step.batch import BatchError
 from mixprec.step.compiled import tensor_lr
 from tests.test_trainstep import _batches, _model
 from tests.test_trainstep_compiled import _bitwise, _state_bits
@@ -164,3 +165,26 @@ def test_a_users_own_graph_with_gradients_and_attention_compiles_through_the_gra
     (want,) = torch.autograd.grad(out.float().square().sum(), [q])
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
     assert len(amp.reports) == 1
+
+
+def test_a_batch_that_does_not_fit_says_so_as_in_two_graphs():
+    """An error of the user's model on a later batch is a `BatchError` naming the batch, in one
+    graph as in two (it was dynamo's raw error)."""
+    messages = []
+    for one_graph in (True, False):
+        model = _model()
+        step = mixprec.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                 F.cross_entropy, dtype="bf16",
+                                 compile={**FAST, "one_graph": one_graph})  # fmt: skip
+        batches = _batches(3, overflows=())
+        for x, y in batches:
+            step(x, y)
+        x, y = batches[0]
+        with pytest.raises(BatchError) as info:
+            step(x[:, :-1], y)
+        messages.append(str(info.value))
+    assert messages[0] == messages[1]
+    assert (
+        "the batch does not fit the model" in messages[0]
+        and "batch[0] (model input)" in (messages[0])
+    )

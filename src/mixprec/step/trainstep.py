@@ -458,7 +458,14 @@ class TrainStep:
         update = self._compiled_path()
         whole = self._one.pick(self, update)
         if whole is not None:
-            loss = self._one.run(whole, batch)
+            try:
+                loss = self._one.run(whole, batch)
+            except MixprecError:
+                raise
+            except Exception as err:  # after its first run: this batch's error, as below
+                raise BatchError(batch_message(self.model, batch, err, self._user_loss)) from (
+                    trim(err)
+                )
             if loss is not None:
                 self.compiled = True
                 return loss
