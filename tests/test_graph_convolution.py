@@ -96,8 +96,9 @@ def test_in_bf16_its_error_is_the_convolution_kernels(shapes):
         (((2, 4, 4, 4), (4, 2, 1, 1)), {"groups": 2}, "grouped"),
         (((2, 4, 4, 4), (4, 4, 1, 1)), {"padding": "same"}, "not plain integers"),
         (((4, 4, 4), (4, 4, 1, 1)), {}, "batched 2-D 16-bit"),
+        (((2, 4, 9, 8), (4, 4, 1, 1)), {}, "more than 64 output positions"),
     ],
-    ids=["overlap", "grouped", "same", "unbatched"],
+    ids=["overlap", "grouped", "same", "unbatched", "large-map"],
 )
 def test_the_route_is_offered_only_where_it_keeps_the_arithmetic(args, kwargs, why):
     xs, ws, *rest = args
