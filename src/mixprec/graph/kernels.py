@@ -258,20 +258,37 @@ def probe(family: str, low: torch.dtype) -> tuple[float, float]:
     key = (family, low)
     if key not in _CACHE:
         op, args, kwargs = _probe_args(family, low)
-
-        def run(route_fp32: bool) -> Any:
-            def go() -> None:
-                inputs = [a.detach().requires_grad_() for a in args]
-                cast = [a.float() for a in inputs] if route_fp32 else inputs
-                out = op(*cast, **kwargs)
-                if route_fp32:
-                    out = out.to(low)
-                out.backward(torch.ones_like(out))
-
-            return go
-
-        _CACHE[key] = _in_own_thread(lambda: _time_pair(run(False), run(True)))
+        native, fp32 = _run_once(op, args, **kwargs), _run_once(_in_fp32(op, low), args, **kwargs)
+        _CACHE[key] = _in_own_thread(lambda: _time_pair(native, fp32))
     return _CACHE[key]
+
+
+def _in_fp32(op: Any, low: torch.dtype) -> Any:
+    """`op` computed in fp32 on its tensor arguments, the result rounded to `low` (the fp32
+    route of a 16-bit op)."""
+
+    def in_fp32(*args: Any, **kwargs: Any) -> torch.Tensor:
+        cast = [a.float() if isinstance(a, torch.Tensor) else a for a in args]
+        return op(*cast, **kwargs).to(low)
+
+    return in_fp32
+
+
+def _run_once(
+    op: Any, tensors: list[Any], *rest: Any, needs: tuple[bool, ...] | None = None, **kwargs: Any
+) -> Any:
+    """A timed route: ``op(*tensors, *rest, **kwargs)`` on fresh leaves of `tensors` (those
+    `needs` marks, all by default, requiring a gradient), then its backward where it has one."""
+
+    def go() -> None:
+        wants = needs if needs is not None else (True,) * len(tensors)
+        inputs = [t.detach().requires_grad_(w) if isinstance(t, torch.Tensor) else t
+                  for t, w in zip(tensors, wants, strict=True)]  # fmt: skip
+        out = op(*inputs, *rest, **kwargs)
+        if out.requires_grad:
+            out.backward(torch.ones_like(out))
+
+    return go
 
 
 def _in_own_thread(timing: Any) -> Any:
@@ -334,9 +351,6 @@ def _attention_choice(key: tuple[Any, ...], low: torch.dtype) -> tuple[KernelCho
     if key not in _ATTENTION_CACHE:
         fused = torch.nn.functional.scaled_dot_product_attention
 
-        def in_fp32(*qkv: torch.Tensor, **kw: Any) -> torch.Tensor:
-            return fused(*(t.float() for t in qkv), **kw).to(low)
-
         def measure() -> tuple[float, float, float, Any]:
             # The inputs are made here, on the probe's thread: the caller may be recording.
             tensors, kwargs = attention.inputs_like(key)
@@ -345,15 +359,8 @@ def _attention_choice(key: tuple[Any, ...], low: torch.dtype) -> tuple[KernelCho
             def by_matmuls(*qkv: torch.Tensor, **kw: Any) -> torch.Tensor:
                 return attention.attention_by_matmuls(*qkv, **kw, dim_order=order)
 
-            def run(op: Any) -> Any:
-                def go() -> None:
-                    inputs = [t.detach().requires_grad_() for t in tensors]
-                    out = op(*inputs, **kwargs)
-                    out.backward(torch.ones_like(out))
-
-                return go
-
-            return (*_time_routes(run(fused), run(in_fp32), run(by_matmuls)), order)
+            routes = (fused, _in_fp32(fused, low), by_matmuls)
+            return (*_time_routes(*(_run_once(r, tensors, **kwargs) for r in routes)), order)
 
         _ATTENTION_CACHE[key] = _in_own_thread(measure)
     native_ms, fp32_ms, matmuls_ms, order = _ATTENTION_CACHE[key]
@@ -408,38 +415,26 @@ def decide_convolution(args: tuple, kwargs: dict) -> KernelChoice | None:
     low = x.dtype
     key = convolution.probe_key(args, kwargs)
     if key not in _CONVOLUTION_CACHE:
-        conv_fp32 = _family_in_fp32("convolution", low)
-        mm_fp32 = _family_in_fp32("matmul", low)
-        # input, weight, bias: a shape each (None: no bias)
-        shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else None
-                  for t in (x, w, call["bias"])]  # fmt: skip
-        grads = key[-2]  # which of input, weight and bias need a gradient
+        conv = torch.nn.functional.conv2d
+        product = convolution.convolution_by_matmuls
+        if _family_in_fp32("convolution", low):
+            conv = _in_fp32(conv, low)
+        if _family_in_fp32("matmul", low):
+            product = _in_fp32(product, low)
+        bias = call["bias"]
+        shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in (x, w, bias)]
 
-        def run(op: Any, in_fp32: bool) -> Any:
-            tensors: list[Any] = []
+        def measure() -> tuple[float, float]:
+            # The inputs are made here, on the probe's thread: the caller may be recording.
+            g = torch.Generator().manual_seed(0)
+            tensors = [None if shape is None else (torch.randn(shape, generator=g) * 0.1).to(low)
+                       for shape in shapes]  # fmt: skip
+            if key[-1]:  # a channels-last input
+                tensors[0] = tensors[0].contiguous(memory_format=torch.channels_last)
+            runs = [_run_once(r, tensors, *geometry, needs=key[-2]) for r in (conv, product)]
+            return _time_routes(*runs)
 
-            def go() -> None:
-                if not tensors:  # made on the probe's thread: the caller's may be recording
-                    g = torch.Generator().manual_seed(0)
-                    for shape in shapes:
-                        random = None if shape is None else torch.randn(shape, generator=g)
-                        tensors.append(None if random is None else (random * 0.1).to(low))
-                    if key[-1]:  # a channels-last input
-                        tensors[0] = tensors[0].contiguous(memory_format=torch.channels_last)
-                inputs = [
-                    t.detach().requires_grad_(need) if isinstance(t, torch.Tensor) else t
-                    for t, need in zip(tensors, grads, strict=False)
-                ]
-                cast = [t.float() if isinstance(t, torch.Tensor) else t for t in inputs]
-                out = op(*(cast if in_fp32 else inputs), *geometry)
-                if out.requires_grad:
-                    out.to(low).backward(torch.ones(out.shape, dtype=low))
-
-            return go
-
-        routes = (run(torch.nn.functional.conv2d, conv_fp32),
-                  run(convolution.convolution_by_matmuls, mm_fp32))  # fmt: skip
-        _CONVOLUTION_CACHE[key] = _in_own_thread(lambda: _time_routes(*routes))
+        _CONVOLUTION_CACHE[key] = _in_own_thread(measure)
     kernel_ms, product_ms = _CONVOLUTION_CACHE[key]
     if product_ms * _MARGIN >= kernel_ms:
         return None
