@@ -104,7 +104,11 @@ def _manual_capture(workload, model, batch, device, dtype) -> Callable[[], torch
 
     def body() -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
-        with torch.autocast(device, dtype=dtype):
+        # cache_enabled=False: torch's CUDA-graph notes require it. The autocast cache keeps the
+        # weights' 16-bit copies made inside the capture, from the graph's private pool, and
+        # frees them when the region closes; the replays then wrote to memory that was no
+        # longer the graph's (illegal address on the H100 and H200 runs, a segfault on GPT-2).
+        with torch.autocast(device, dtype=dtype, cache_enabled=False):
             out = model(static[0])
         loss = workload.loss(out, tuple(static))
         scaler.scale(loss).backward()

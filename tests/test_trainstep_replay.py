@@ -166,3 +166,29 @@ def test_hand_written_scaler_step_replays_like_eager(make_opt):
     ours, theirs = scaler.stats()["losses"][0], ref_parts[2].stats()["losses"][0]
     assert ours == theirs  # scale, trackers, update and skip counts: all updated on the device
     assert theirs["skipped"] >= 3
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "sgd-momentum", "adamw-fused"])
+def test_capture_waits_for_the_step_that_creates_the_optimizer_state(opt_name):
+    # fp16 from scratch: the first steps overflow at the initial scale (ResNet-50 on the H200
+    # run), so every warm-up step was skipped and created no optimizer state. The step that
+    # creates it is decided on the host (`mixprec.scaling.skip`), which a capture cannot
+    # record: the capture failed and the step ran eagerly for good. It now waits for that step.
+    batches = _batches(8, overflows={0, 1, 2})
+    eager_model, model = _model(), _model()
+    eager = uncompiled_step(eager_model, CAPTURABLE[opt_name](eager_model.parameters()),
+                            F.cross_entropy, dtype="fp16", capture="eager")  # fmt: skip
+    step = uncompiled_step(model, CAPTURABLE[opt_name](model.parameters()), F.cross_entropy,
+                           dtype="fp16", warmup=2)  # fmt: skip
+    backend = install(step)
+    ref = [eager(x, y) for x, y in batches]
+    got, captured, reasons = [], [], []
+    for x, y in batches:
+        got.append(step(x, y))
+        captured.append(step.captured)
+        reasons.append(step.reason)
+    assert captured == [False] * 4 + [True] * 4, reasons
+    assert "has not created its state" in reasons[2] and "decided on the host" in reasons[2]
+    assert backend.captured == 1
+    assert _same(got, ref) and _params_equal(model, eager_model)
+    assert step.scaler.stats()["losses"][0] == eager.scaler.stats()["losses"][0]

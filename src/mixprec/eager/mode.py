@@ -69,7 +69,7 @@ def _get(table: DispatchTable, func: Any) -> Any:
     """``table.memo.get(func, MISS)``; in a dynamo trace through the table's `traced_rules`, so
     that the compiled code guards the table's identity, not every key of its memo."""
     if dynamo_tracing():
-        i = traced_rule_index(table, func)
+        i = traced_rule_index(table.handle, func)
         return None if i == -1 else _MISS if i == -2 else table.traced_rules[i]
     return table.memo.get(func, _MISS)
 
@@ -142,7 +142,7 @@ class AutocastMode(TorchFunctionMode):
             # nn.MultiheadAttention's input checks and any code branching on attributes.
             return func(*args, **kwargs) if kwargs else func(*args)
         if dynamo_tracing():  # `_get`, written out: each call dynamo inlines costs about 1 ms
-            i = traced_rule_index(self.table, func)
+            i = traced_rule_index(self.table.handle, func)
             rule = None if i == -1 else _MISS if i == -2 else self.table.traced_rules[i]
         else:
             rule = self.memo.get(func, _MISS)

@@ -377,15 +377,18 @@ def _handle_by_value(regions: tuple[Region, ...]) -> int:
 
 
 @mark_constant_result
-def traced_rule_index(table: DispatchTable, func: Any) -> int:
-    """Where ``table.memo.get(func, MISS)`` is in ``table.traced_rules``: -1 for None (pass
-    through), -2 for MISS.
+def traced_rule_index(handle: int, func: Any) -> int:
+    """Where ``table.memo.get(func, MISS)`` is in ``table.traced_rules``, for the table of
+    `handle` (``tables()[handle]``): -1 for None (pass through), -2 for MISS.
 
     torch.compile calls this once per traced call and bakes the int in, guarded by the table's
-    identity alone (tables and their memos never change once built). A traced
+    handle alone (tables and their memos never change once built). A traced
     ``memo.get(func)`` would instead guard every key of the memo (about 1,400 EQUALS_MATCH
-    guards), evaluated on every call of the compiled function.
+    guards), evaluated on every call of the compiled function. It takes the handle, not the
+    table: torch 2.11's dynamo calls a constant-result function only with constant arguments,
+    and refused the table object (TrainStep's compile=True failed on every model there).
     """
+    table = _TABLES[handle]
     try:
         rule = table.memo.get(func, MISS)
         if rule is MISS:

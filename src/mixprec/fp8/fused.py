@@ -98,7 +98,14 @@ def _variant(fn: Callable[..., Any], constants: tuple[Any, ...]) -> Callable[...
         code = fn.__code__.replace(co_name=f"{fn.__name__}_{len(_COMPILED)}")
         copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__,
                                   fn.__closure__)  # fmt: skip
-        compiled = _COMPILED[(fn, constants)] = torch.compile(copy, dynamic=True, fullgraph=True)
+        # Floats specialised: the recipe's (the format's maximum, the scale floor) are
+        # constants of each variant. Left symbolic (dynamo's default), torch 2.11's inductor
+        # failed on them (``tensorify_python_scalars``: every compiled quantisation fell back
+        # to eager kernels on the H200 run). The patch costs about 3 us a call.
+        compiled = torch._dynamo.config.patch(specialize_float=True)(
+            torch.compile(copy, dynamic=True, fullgraph=True)
+        )
+        _COMPILED[(fn, constants)] = compiled
     return compiled
 
 

@@ -234,6 +234,15 @@ class StepGuard:
                 if name in vars(optimizer):
                     delattr(optimizer, name)
 
+    def creates_state(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether `optimizer`'s next step may create its state: a parameter with a gradient
+        has none yet and is not known to keep none. That step is decided on the host (one
+        sync, see the module docstring), so a CUDA graph cannot record it. Cost: as
+        `_state_complete`."""
+        if self.mode is SkipMode.SYNC or self.fallback is not None:
+            return False  # every step asks the host: not a question of state
+        return not self._state_complete(optimizer)
+
     def _state_complete(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether every parameter with a gradient has its state (or is known stateless).
 

@@ -105,7 +105,8 @@ class TrainStep:
             (`mixprec.step.whole` says when it is one).
         warmup: eager steps per input signature before capturing it, counted while the
             optimizer's hyperparameters stay unchanged (lazy initialisation, cuDNN autotuning
-            and compilation happen there).
+            and compilation happen there). Capture also waits for the step that creates the
+            optimizer's state: under fp16 the first steps may all overflow and be skipped.
         max_graphs: captured graphs kept (one per input signature, least recently used out).
         ddp: wrap the initialized model in ``DistributedDataParallel`` (True, or a dict of its
             keyword arguments): in the order O2/O3 need (initialize, then DDP), and on CUDA on
@@ -646,6 +647,13 @@ class TrainStep:
                     f"warming up: eager step {seen + 1} of {self._warmup} for input "
                     f"{graphs.describe_signature(signature)} before capture"
                 ), signature)  # fmt: skip
+            if self._creates_state():
+                return self._eager(batch, (
+                    f"warming up: every step so far overflowed and was skipped, so the "
+                    f"optimizer has not created its state; the step that creates it is decided "
+                    f"on the host, which a CUDA graph cannot record, so it runs eagerly and "
+                    f"input {graphs.describe_signature(signature)} is captured after it"
+                ), signature)  # fmt: skip
             entry = self._capture(batch, signature)
             if entry is None:
                 return self._eager(batch, self.reason)
@@ -764,6 +772,15 @@ class TrainStep:
             # state as this step left it.
             self._fingerprint = self._current_fingerprint()
         return loss
+
+    def _creates_state(self) -> bool:
+        """Whether the next step may create optimizer state (fp16 runs whose every step so far
+        overflowed). Cost: a pass over the parameters until the state exists."""
+        scaler = self.optimizer.scaler
+        if scaler is None or not scaler.is_enabled():
+            return False  # no skipped steps: the first eager step created the state
+        inner = self.optimizer.optimizer
+        return scaler._guard(inner).creates_state(inner)
 
     def _capture(self, batch: tuple[Any, ...], signature: Any) -> StepGraph | None:
         blocker = graphs.capture_blocker(self.optimizer.optimizer, self._device)
