@@ -147,6 +147,9 @@ def _manual_capture(workload, model, batch, device, dtype) -> Callable[[], torch
         graph.replay()
         return static_loss
 
+    # The graph replays on the model's and optimizer's memory but holds no reference to them:
+    # without these, they were freed when build() returned (illegal address on replay).
+    step.keep = (model, opt, scaler)  # type: ignore[attr-defined]
     return step
 
 
