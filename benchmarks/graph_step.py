@@ -104,10 +104,8 @@ def _manual_capture(workload, model, batch, device, dtype) -> Callable[[], torch
 
     def body() -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
-        # cache_enabled=False: torch's CUDA-graph notes require it. The autocast cache keeps the
-        # weights' 16-bit copies made inside the capture, from the graph's private pool, and
-        # frees them when the region closes; the replays then wrote to memory that was no
-        # longer the graph's (illegal address on the H100 and H200 runs, a segfault on GPT-2).
+        # Autocast's weight cache off, as torch's make_graphed_callables asks of captured
+        # regions (the H200 diagnostic replayed with it on as well; the rows were measured off).
         with torch.autocast(device, dtype=dtype, cache_enabled=False):
             out = model(static[0])
         loss = workload.loss(out, tuple(static))
@@ -118,8 +116,7 @@ def _manual_capture(workload, model, batch, device, dtype) -> Callable[[], torch
 
     # Warm-up and capture on one side stream: autograd remembers the stream each gradient
     # accumulator first ran on, and a capture on another stream would wait on that one.
-    # The first H100 run (torch 2.11) warmed up on a side stream and captured on
-    # torch.cuda.graph's own: an illegal memory access (MLP, ResNet-50), a segfault (GPT-2).
+    # (Where it captures made no difference: benchmarks/diag_manual_capture.py on the H200.)
     phase = "warm-up"
     try:
         side = torch.cuda.Stream()
