@@ -66,7 +66,8 @@ def _graph_part(workload: str, priority: int, estimate: float, timeout: float,
 _SMOKE_CPU = ["--device", "cpu"]
 
 # estimate_s: what each part took on the first H100 run (2026-11-27, torch 2.11), with about 20%
-# margin; d-* and l-fp8-step/loss had not completed a run then, so theirs are still guesses.
+# margin; d-* from the H200 run (2026-11-28: 43, 105, 114 s, their manual rows crashed then);
+# l-fp8-step/loss have not completed a run, so theirs are still guesses.
 PARTS: list[Part] = [
     Part(
         name="a-cuda-tests", priority=10, estimate_s=110, timeout_s=420,
@@ -105,13 +106,13 @@ PARTS: list[Part] = [
         goals=(Goal("max syncs/step (sync-free configurations)", "==", 0,
                     "zero host syncs per step"),),
     ),
-    _graph_part("mlp", 40, 120, 360, (
+    _graph_part("mlp", 40, 60, 360, (
         Goal("TrainStep O1 fp16 / manual fp16", "<=", 1.0,
              "TrainStep <= 1.0x the manual capture, seed MLP, fp16 (time)"),
         Goal("TrainStep O1 bf16 / manual bf16", "<=", 1.0,
              "TrainStep <= 1.0x the manual capture, seed MLP, bf16 (time)"),
     )),
-    _graph_part("resnet50", 41, 240, 480, (
+    _graph_part("resnet50", 41, 130, 480, (
         Goal("TrainStep O1 fp16 / manual fp16", "<=", 1.0,
              "TrainStep <= 1.0x the manual capture, ResNet-50, fp16 (time)"),
         Goal("TrainStep O1 bf16 / manual bf16", "<=", 1.0,
@@ -119,7 +120,7 @@ PARTS: list[Part] = [
         Goal("TrainStep O1 fp16 / fp32 eager", "<=", 0.2,
              "TrainStep <= 0.2x FP32 eager, ResNet-50 (time, fp16)"),
     ), smoke_variants=_RESNET_SMOKE, smoke_warmup=0),
-    _graph_part("gpt2", 42, 240, 540, (
+    _graph_part("gpt2", 42, 150, 540, (
         Goal("TrainStep O1 bf16+compile / torch.amp+compile bf16", "<=", 1.0,
              "GPT-2 small: TrainStep + compile <= 1.0x torch.amp + compile (time)"),
     )),
