@@ -263,11 +263,15 @@ class TrainStep:
                 optimizer.options = optimizer.options.explained(
                     "cast_model_outputs", "TrainStep runs the loss in the forward's region"
                 )
-        self._side: Any = None
+        # The one stream that warms up and captures (and DDP's construction stream: PyTorch's
+        # rule 2 for capturing DDP). Until 2026-11-28 only DDP captured there; otherwise the
+        # capture ran on torch.cuda.graph's own stream, after warming up on this one. On the
+        # H200 run that step held about 130 MiB more than graph_step.py's hand-written capture,
+        # which does both on one stream, at 0.4-1.2% more time; a second stream's library
+        # workspaces and autograd's wait on the warm-up stream are the suspects (not measured).
+        self._side: Any = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._ddp_built = ddp_kwargs is not None
         if ddp_kwargs is not None:
-            # Construct DDP on the stream that warms up and captures (PyTorch's rule 2).
-            self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
             model = ddp_rules.wrap(model, ddp_kwargs, self._side)
         if isinstance(model, DistributedDataParallel):
             wrapping.register_replicated([model], [optimizer])
@@ -338,8 +342,7 @@ class TrainStep:
             )
         self._warmup = warmup
         self._max_graphs = max_graphs
-        # Under DDP the graph is captured on the stream DDP was constructed on (rule 2).
-        self._backend: graphs.Backend = graphs.CudaGraphs(self._side if self._ddp_built else None)
+        self._backend: graphs.Backend = graphs.CudaGraphs(self._side)
         self._graphs: OrderedDict[Any, StepGraph] = OrderedDict()
         self._warm: dict[Any, int] = {}
         self._fingerprint: Fingerprint | None = None
@@ -759,8 +762,6 @@ class TrainStep:
         else:
             # Warm-up on a side stream, as PyTorch's whole-network capture recipe asks: the
             # capture that follows then starts from a clean stream state.
-            if self._side is None:
-                self._side = torch.cuda.Stream(self._device)
             main = torch.cuda.current_stream(self._device)
             self._side.wait_stream(main)
             with torch.cuda.stream(self._side):
