@@ -76,8 +76,8 @@ def _one(way: str, width: int, batch: int) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--width", type=int, default=1024, help="the MLP's width (default 1024)")
+    ap.add_argument("--batch", type=int, default=256, help="rows per batch (default 256)")
     ap.add_argument("--json", help="write {way: result} here")
     ap.add_argument("--way", choices=sorted(WAYS), help=argparse.SUPPRESS)  # a child's run
     args = ap.parse_args()
