@@ -145,6 +145,29 @@ def test_o2_model_layout_inputs_and_outputs():
     assert out["logits"].dtype == FP32 and out["count"] == 3
 
 
+def test_o2_keeps_a_labels_target_as_given():
+    """A Hugging Face model computes its loss from ``labels=`` inside forward: O2 casts the
+    inputs, not the target (a bf16 regression target loses bits; torch 2.11's mse_loss backward
+    refused an fp32 output beside a bf16 target, which failed every O2 Trainer run there)."""
+
+    class Regression(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 4)
+
+        def forward(self, x, labels):
+            self.seen = (x.dtype, labels.dtype)
+            return {"loss": F.mse_loss(self.lin(x).float(), labels)}
+
+    model = Regression()
+    model, _ = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2")
+    target = torch.full((2, 4), 1 / 3)  # not exact in bf16
+    loss = model(torch.randn(2, 8), labels=target)["loss"]
+    assert model.seen == (BF16, FP32)
+    loss.backward()
+    assert model.lin.weight.grad.dtype == BF16
+
+
 def test_o1_runs_forward_under_autocast_and_leaves_on_error():
     model = _net()
     model, _ = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O1")

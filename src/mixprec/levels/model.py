@@ -8,9 +8,10 @@ Everything is done with PyTorch's own extension points, never by replacing ``for
   (inputs up, outputs back down), so they work with every kernel and keep fp32 statistics;
 - the model gets a pre-hook (cast floating inputs at the entry; enter a ``mixprec.autocast``
   region for O1) and a post-hook that always runs, also when forward raises (cast outputs,
-  leave the region). Integer inputs such as token ids pass untouched. A framework that calls
-  another method through the model's call (Lightning's ``training_step`` under DDP) sets
-  ``AmpHooks.passthrough``: such a call's arguments and result are not cast.
+  leave the region). Integer inputs such as token ids pass untouched, and so do targets passed
+  as ``labels=`` (`TARGET_KEYWORDS`). A framework that calls another method through the model's
+  call (Lightning's ``training_step`` under DDP) sets ``AmpHooks.passthrough``: such a call's
+  arguments and result are not cast.
 
 The hooks are instances of `AmpHooks`; `amp_hooks(model)` finds them (to refuse initializing a
 model twice), and ``remove()`` takes them off.
@@ -36,6 +37,13 @@ NORM_LAYERS: tuple[type[nn.Module], ...] = tuple(
         getattr(nn, "RMSNorm", None), getattr(nn.modules.batchnorm, "SyncBatchNorm", None),
     ) if t is not None
 )  # fmt: skip
+
+
+#: Keyword arguments that are a loss's targets, not the model's inputs: never cast. Hugging Face
+#: models take their targets as ``labels`` and compute the loss inside forward. A target's
+#: precision is part of the objective (a bf16 regression target keeps 8 bits), and torch 2.11's
+#: mse_loss backward refused an fp32 output beside a bf16 target.
+TARGET_KEYWORDS = frozenset({"labels"})
 
 
 def cast_floats(value: Any, dtype: torch.dtype, widen_only: bool = False) -> Any:
@@ -140,7 +148,8 @@ class AmpHooks:
             self._local.passed = kwargs
         elif self.input_dtype is not None:
             args = cast_floats(args, self.input_dtype)
-            kwargs = cast_floats(kwargs, self.input_dtype)
+            kwargs = {k: v if k in TARGET_KEYWORDS else cast_floats(v, self.input_dtype)
+                      for k, v in kwargs.items()}  # fmt: skip
         if self.region is not None:
             device_type, dtype, policy = self.region
             region = autocast(device_type, dtype=dtype, policy=policy)
