@@ -224,8 +224,14 @@ def _sync(device: str) -> None:
 
 
 def measure(step: Callable[[], torch.Tensor], device: str, warmup: int, steps: int,
-            rounds: int) -> tuple[float, float | None, float]:  # fmt: skip
-    """(median ms/step over rounds of back-to-back steps, peak MiB, final loss)."""
+            rounds: int) -> tuple[float, float | None, float | None, float]:  # fmt: skip
+    """(median ms/step over rounds of back-to-back steps, peak MiB allocated, peak MiB reserved,
+    final loss).
+
+    Allocated is what tensors held: for a captured step, what stays allocated after the capture
+    (parameters, gradients, optimizer state, static inputs); the activations live in the graph's
+    private pool, freed inside the graph, and are not counted. Reserved counts the pool too (and
+    the allocator's cache after this row's own warm-up, emptied before the timed rounds)."""
     for _ in range(warmup):
         step()
     _sync(device)
@@ -244,7 +250,9 @@ def measure(step: Callable[[], torch.Tensor], device: str, warmup: int, steps: i
         _sync(device)
         per_round.append((time.perf_counter() - t0) / steps)
     peak = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None
-    return statistics.median(per_round) * 1e3, peak, float(loss.item())  # type: ignore[union-attr]
+    reserved = torch.cuda.max_memory_reserved() / 2**20 if device == "cuda" else None
+    return (statistics.median(per_round) * 1e3, peak, reserved,
+            float(loss.item()))  # type: ignore[union-attr]  # fmt: skip
 
 
 def _context_lost(err: BaseException) -> bool:
@@ -265,12 +273,12 @@ def _measure_row(name: str, wname: str, workload: Workload, size: WorkloadSize, 
     print(f"{wname:9s} {name} ...", file=sys.stderr, flush=True)
     try:
         step = build(name, workload, size.params, device, args.compile_backend)
-        ms, peak, loss = measure(step, device, args.warmup, steps, args.rounds)
+        ms, peak, reserved, loss = measure(step, device, args.warmup, steps, args.rounds)
     except Exception as err:  # a variant that fails is reported, not fatal
         reason = f"{type(err).__name__}: {err}"[:300]
         return {**row, "status": "failed", "reason": reason, "context_lost": _context_lost(err)}
     ts = getattr(step, "train_step", None)
-    row.update(ms_per_step=ms, peak_MiB=peak, final_loss=loss)
+    row.update(ms_per_step=ms, peak_MiB=peak, reserved_MiB=reserved, final_loss=loss)
     if ts is not None:
         row.update(captured=ts.captured, reason=ts.reason)
     del step
@@ -306,7 +314,8 @@ def _in_fresh_process(args: argparse.Namespace, device: str, wname: str, variant
     finally:
         os.unlink(path)
     keep = ("workload", "size", "variant", "device", "status", "reason", "compile_backend",
-            "ms_per_step", "peak_MiB", "final_loss", "captured", "x_fp32", "x_torch_amp",
+            "ms_per_step", "peak_MiB", "reserved_MiB", "final_loss", "captured", "x_fp32",
+            "x_torch_amp",
             "x_manual", "process")  # fmt: skip
     rc = proc.returncode
     ended = f"killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
@@ -335,7 +344,7 @@ def _print_table(meta: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     for wname in dict.fromkeys(r["workload"] for r in rows):
         print(f"\n{wname}")
         print(f"  {'variant':27s} {'ms/step':>8s} {'x fp32':>7s} {'x amp':>7s} {'x manual':>8s}"
-              f" {'peak MiB':>9s}")  # fmt: skip
+              f" {'peak MiB':>9s} {'reserved':>9s}")  # fmt: skip
         for r in (r for r in rows if r["workload"] == wname):
             if r["status"] != "ok":
                 print(f"  {r['variant']:27s} {r['status']}: {r['reason']}")
@@ -348,7 +357,7 @@ def _print_table(meta: dict[str, Any], rows: list[dict[str, Any]]) -> None:
             cap = "" if r.get("captured") in (None, True) else "  (eager: see JSON reason)"
             print(f"  {r['variant']:27s} {r['ms_per_step']:8.2f} {f('x_fp32'):>7s} "
                   f"{f('x_torch_amp'):>7s} {f('x_manual'):>8s} {f('peak_MiB', '.0f', ''):>9s}"
-                  f"{cap}")  # fmt: skip
+                  f" {f('reserved_MiB', '.0f', ''):>9s}{cap}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
