@@ -112,6 +112,28 @@ def _layer_step(layer: nn.Module, x: torch.Tensor, g: torch.Tensor):
     return run
 
 
+def top_ops(fn: Callable[[], Any], device: str, iters: int = 5, top: int = 12) -> list[dict]:
+    """`fn`'s operations under torch.profiler, most self device time first (CPU off CUDA):
+    where an FP8 layer's time goes (the H200 run's layer took 8-25x bf16's time while its
+    GEMMs ran 1.45-1.64x faster: quantisation, path choice or host syncs?)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(iters):
+            fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    # Self times: a wrapper's total repeats its children's.
+    key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0.0), reverse=True)
+    return [{"op": e.key, "calls_per_step": e.count / iters,
+             "self_device_us_per_step": getattr(e, "self_device_time_total", 0.0) / iters,
+             "self_cpu_us_per_step": e.self_cpu_time_total / iters}
+            for e in events[:top]]  # fmt: skip
+
+
 def bench_gemm(device: str, tokens: int, d: int, recipes: list[str], iters: int, rounds: int):
     rows = []
     e4m3 = torch.float8_e4m3fn
@@ -144,6 +166,9 @@ def bench_gemm(device: str, tokens: int, d: int, recipes: list[str], iters: int,
             row[f"layer_speedup_{recipe}"] = row["layer_bf16_ms"] / ms
             row[f"layer_fp8_{recipe}_quantize"] = fused.quantize_mode() + (
                 " (compiled)" if fused.use_compiled(xg) else " (eager)")  # fmt: skip
+            row[f"layer_fp8_{recipe}_quantize_failures"] = len(fused.failures())
+            if name == "qkv" and recipe == recipes[0]:
+                row[f"layer_fp8_{recipe}_profile"] = top_ops(_layer_step(fp8_layer, xg, g), device)
             if fused.use_compiled(xg):  # the eager quantisation too, for comparison
                 mode = fused.quantize_mode()
                 fused.set_quantize_mode("eager")
