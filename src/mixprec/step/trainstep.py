@@ -652,10 +652,11 @@ class TrainStep:
                 ), signature)  # fmt: skip
             if self._creates_state():
                 return self._eager(batch, (
-                    f"warming up: every step so far overflowed and was skipped, so the "
-                    f"optimizer has not created its state; the step that creates it is decided "
-                    f"on the host, which a CUDA graph cannot record, so it runs eagerly and "
-                    f"input {graphs.describe_signature(signature)} is captured after it"
+                    f"warming up: the optimizer has not created its state for every parameter "
+                    f"yet (each step so far overflowed and was skipped, or parameters were "
+                    f"added); the step that creates it is decided on the host, which a CUDA "
+                    f"graph cannot record, so it runs eagerly and input "
+                    f"{graphs.describe_signature(signature)} is captured after it"
                 ), signature)  # fmt: skip
             entry = self._capture(batch, signature)
             if entry is None:
