@@ -222,19 +222,31 @@ def build_step(variant: str, cfg: GPTConfig, device: str, level: str, seed: int 
     return train, model
 
 
-def step_variants(recipes: list[str]) -> list[str]:
+#: Which rows the step part runs: the captured steps, their compiled versions, or both.
+STEP_KINDS = ("all", "captured", "compiled")
+
+
+def step_variants(recipes: list[str], kind: str = "all") -> list[str]:
+    """The step part's rows: `kind` ``captured`` keeps the TrainSteps without compile (what the
+    GPT-2 medium goal compares, in about a minute on a GPU), ``compiled`` the others (each
+    compiles GPT-2: minutes)."""
     out = ["bf16 TrainStep", "bf16 TrainStep+compile", "torch.amp+compile"]
     for r in recipes:
         out += [f"fp8 {r} TrainStep", f"fp8 {r} TrainStep+compile"]
+    if kind == "captured":
+        return [v for v in out if "compile" not in v]
+    if kind == "compiled":
+        return [v for v in out if "compile" in v]
     return out
 
 
 def bench_step(device: str, configs: dict[str, GPTConfig], batch: int, recipes: list[str],
-               level: str, iters: int, rounds: int, smoke: bool = False) -> list[dict]:  # fmt: skip
+               level: str, iters: int, rounds: int, smoke: bool = False,
+               kind: str = "all") -> list[dict]:  # fmt: skip
     rows = []
     for cfg_name, cfg in configs.items():
         tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1), device=device)
-        for variant in step_variants(recipes):
+        for variant in step_variants(recipes, kind):
             row: dict[str, Any] = {"model": cfg_name, "variant": variant, "level": level}
             if "compile" in variant and device != "cuda":
                 row["skipped"] = "compile variants run on CUDA only (minutes to compile on a CPU)"
@@ -383,6 +395,20 @@ def main(argv: list[str] | None = None) -> int:
         metavar="PATH",
         help="write the run's metadata, the rows of every part and the goals as JSON",
     )
+    parser.add_argument(
+        "--models",
+        default="gpt2-small,gpt2-medium",
+        help="comma-separated models of the step part, from: gpt2-small, gpt2-medium "
+        "(default: both; the goal is gpt2-medium's)",
+    )
+    parser.add_argument(
+        "--step-variants",
+        default="all",
+        choices=STEP_KINDS,
+        help="the step part's rows: captured (the TrainSteps without compile, which the goal "
+        "compares), compiled (the +compile rows: each compiles GPT-2, minutes) or all "
+        "(default: %(default)s)",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, any device")
     args = parser.parse_args(argv)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available()
@@ -390,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     # Recipe names are read case-insensitively (as Fp8Recipe.named does).
     recipes = comma_list(parser, "--recipes", args.recipes.lower(), list(RECIPES))
     parts = set(comma_list(parser, "--parts", args.parts, PARTS))
+    models = comma_list(parser, "--models", args.models, ["gpt2-small", "gpt2-medium"])
     if args.smoke:
         tiny = GPTConfig.tiny()
         configs = {"gpt2-small": tiny, "gpt2-medium": GPTConfig(512, 64, 2, 4, 128)}
@@ -405,8 +432,9 @@ def main(argv: list[str] | None = None) -> int:
         iters, rounds = args.iters, args.rounds
         loss_cfg, loss_steps, seeds = SMALL, args.loss_steps, args.loss_seeds
     gemm = bench_gemm(device, tokens, d, recipes, iters, rounds) if "gemm" in parts else []
+    configs = {name: cfg for name, cfg in configs.items() if name in models}
     step = (bench_step(device, configs, batch, recipes, args.level, max(1, iters // 2), rounds,
-                       args.smoke) if "step" in parts else [])  # fmt: skip
+                       args.smoke, args.step_variants) if "step" in parts else [])  # fmt: skip
     loss = (bench_loss(device, loss_cfg, batch, loss_steps, seeds, recipes, args.level)
             if "loss" in parts else [])  # fmt: skip
     meta = {**metadata(device), "smoke": args.smoke, "level": args.level,

@@ -64,6 +64,22 @@ def _graph_part(workload: str, priority: int, estimate: float, timeout: float,
 
 
 _SMOKE_CPU = ["--device", "cpu"]
+_FP8_STEP = ["--recipes", "tensorwise,delayed", "--models", "gpt2-medium"]
+
+
+def _fp8_part(priority: int, name: str, part: str, extra: list[str], estimate: float,
+              timeout: float, title: str, goals: tuple[Goal, ...]) -> Part:  # fmt: skip
+    """Suite part ``l-fp8-NAME``: `benchmarks/fp8_gpu.py --parts PART` with `extra` options."""
+    return Part(
+        name=f"l-fp8-{name}", priority=priority, estimate_s=estimate, timeout_s=timeout,
+        title=title,
+        command=lambda ctx: [ctx.python, "benchmarks/fp8_gpu.py", "--parts", part, "--json",
+                             ctx.path(f"l-fp8-{name}.json"),
+                             *(["--smoke"] if ctx.smoke else extra)],
+        extract=lambda ctx, log: ex.extract_fp8(ctx, log, f"l-fp8-{name}", part),
+        goals=goals,
+    )  # fmt: skip
+
 
 # estimate_s: what each part took on the first H100 run (2026-11-27, torch 2.11), with about 20%
 # margin; d-* from the H200 run (2026-11-28: 43, 105, 114 s, their manual rows crashed then);
@@ -217,30 +233,21 @@ PARTS: list[Part] = [
         goals=(Goal("O2 total - FSDP2 policy total (bytes)", "==", 0,
                     "O2 on FSDP2 adds no fp32 copy beyond FSDP2's own"),),
     ),
-    *[
-        Part(
-            name=f"l-fp8-{part}", priority=78 + i, estimate_s=est, timeout_s=limit,
-            title=title,
-            command=lambda ctx, part=part: [ctx.python, "benchmarks/fp8_gpu.py", "--parts", part,
-                                            "--json", ctx.path(f"l-fp8-{part}.json")]
-            + (["--smoke"] if ctx.smoke else (["--recipes", "tensorwise,delayed"]
-                                              if part == "step" else [])),
-            extract=lambda ctx, log, part=part: ex.extract_fp8(ctx, log, f"l-fp8-{part}", part),
-            goals=goals,
-        )
-        for i, (part, est, limit, title, goals) in enumerate((
-            ("gemm", 20, 300, "FP8 GEMM and layer forward+backward vs bf16, GPT-2-medium shapes",
-             (Goal("FP8 GEMM speed-up, large shapes (min)", ">=", 1.3,
-                   "FP8 GEMM >= 1.3x bf16 (MLP up/down, GPT-2 medium)"),)),
-            ("step", 480, 590, "GPT-2 small and medium step: FP8 TrainStep vs bf16 TrainStep vs "
-             "torch.amp + compile, with peak memory",
-             (Goal("GPT-2 medium FP8 TrainStep / bf16 TrainStep speed-up", ">=", 1.15,
-                   "GPT-2 medium step with FP8 >= 1.15x bf16 TrainStep"),)),
-            ("loss", 240, 480, "GPT-2 small trained with FP8 vs bf16: final loss vs bf16's spread",
-             (Goal("FP8 recipes outside bf16 loss spread", "==", 0,
-                   "FP8 loss within bf16's seed-to-seed spread, every recipe"),)),
-        ))
-    ],
+    _fp8_part(78, "gemm", "gemm", [], 20, 300,
+              "FP8 GEMM and layer forward+backward vs bf16, GPT-2-medium shapes",
+              (Goal("FP8 GEMM speed-up, large shapes (min)", ">=", 1.3,
+                    "FP8 GEMM >= 1.3x bf16 (MLP up/down, GPT-2 medium)"),)),
+    # The step's goal needs only the captured GPT-2 medium rows (about a minute); the compiled
+    # rows compile GPT-2 medium once each, so they are a part of their own (the last).
+    _fp8_part(79, "step", "step", [*_FP8_STEP, "--step-variants", "captured"], 150, 400,
+              "GPT-2 medium step, captured: FP8 TrainStep (tensorwise, delayed) vs bf16 "
+              "TrainStep, with peak memory",
+              (Goal("GPT-2 medium FP8 TrainStep / bf16 TrainStep speed-up", ">=", 1.15,
+                    "GPT-2 medium step with FP8 >= 1.15x bf16 TrainStep"),)),
+    _fp8_part(80, "loss", "loss", [], 240, 480,
+              "GPT-2 small trained with FP8 vs bf16: final loss vs bf16's spread",
+              (Goal("FP8 recipes outside bf16 loss spread", "==", 0,
+                    "FP8 loss within bf16's seed-to-seed spread, every recipe"),)),
     Part(
         name="h-bench", priority=80, estimate_s=150, timeout_s=480,
         title="mixprec bench all --full, with JSON and PNG",
@@ -257,6 +264,9 @@ PARTS: list[Part] = [
         goals=(Goal("max peak / torch.amp peak", "<=", 1.0,
                     "peak memory <= torch.amp on every row (mixprec bench --full)"),),
     ),
+    _fp8_part(81, "step-compiled", "step", [*_FP8_STEP, "--step-variants", "compiled"], 420, 590,
+              "GPT-2 medium step, compiled: FP8 TrainStep + compile vs bf16 TrainStep + compile "
+              "vs torch.amp + compile", ()),
 ]  # fmt: skip
 
 
