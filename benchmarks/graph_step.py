@@ -271,6 +271,9 @@ def _measure_row(name: str, wname: str, workload: Workload, size: WorkloadSize, 
     if why:
         return {**row, "status": "skipped", "reason": why}
     print(f"{wname:9s} {name} ...", file=sys.stderr, flush=True)
+    # What this process already holds before the row (earlier rows' library workspaces, which
+    # CUDA keeps per stream): part of the row's peak, not of its step.
+    held = torch.cuda.memory_allocated() / 2**20 if device == "cuda" else None
     try:
         step = build(name, workload, size.params, device, args.compile_backend)
         ms, peak, reserved, loss = measure(step, device, args.warmup, steps, args.rounds)
@@ -278,7 +281,8 @@ def _measure_row(name: str, wname: str, workload: Workload, size: WorkloadSize, 
         reason = f"{type(err).__name__}: {err}"[:300]
         return {**row, "status": "failed", "reason": reason, "context_lost": _context_lost(err)}
     ts = getattr(step, "train_step", None)
-    row.update(ms_per_step=ms, peak_MiB=peak, reserved_MiB=reserved, final_loss=loss)
+    row.update(ms_per_step=ms, peak_MiB=peak, reserved_MiB=reserved, held_before_MiB=held,
+               final_loss=loss)  # fmt: skip
     if ts is not None:
         row.update(captured=ts.captured, reason=ts.reason)
     del step
@@ -314,7 +318,8 @@ def _in_fresh_process(args: argparse.Namespace, device: str, wname: str, variant
     finally:
         os.unlink(path)
     keep = ("workload", "size", "variant", "device", "status", "reason", "compile_backend",
-            "ms_per_step", "peak_MiB", "reserved_MiB", "final_loss", "captured", "x_fp32",
+            "ms_per_step", "peak_MiB", "reserved_MiB", "held_before_MiB", "final_loss",
+            "captured", "x_fp32",
             "x_torch_amp",
             "x_manual", "process")  # fmt: skip
     rc = proc.returncode

@@ -175,7 +175,7 @@ def extract_graph_step(ctx: Context, log: str, name: str) -> Figures:
     f.table = [{"variant": r["variant"], "ms/step": r.get("ms_per_step"),
                 "x fp32": r.get("x_fp32"), "x torch.amp": r.get("x_torch_amp"),
                 "x manual": r.get("x_manual"), "peak MiB": r.get("peak_MiB"),
-                "reserved MiB": r.get("reserved_MiB"),
+                "reserved MiB": r.get("reserved_MiB"), "held before MiB": r.get("held_before_MiB"),
                 "captured": r.get("captured"),
                 "status": r["status"] + (f": {r['reason']}" if r["status"] != "ok" else "")}
                for r in rows]  # fmt: skip
