@@ -168,8 +168,9 @@ def test_hand_written_scaler_step_replays_like_eager(make_opt):
     assert theirs["skipped"] >= 3
 
 
+@pytest.mark.parametrize("level", ["O1", "O2"])
 @pytest.mark.parametrize("opt_name", ["sgd", "sgd-momentum", "adamw-fused"])
-def test_capture_waits_for_the_step_that_creates_the_optimizer_state(opt_name):
+def test_capture_waits_for_the_step_that_creates_the_optimizer_state(opt_name, level):
     # fp16 from scratch: the first steps overflow at the initial scale (ResNet-50 on the H200
     # run), so every warm-up step was skipped and created no optimizer state. The step that
     # creates it is decided on the host (`mixprec.scaling.skip`), which a capture cannot
@@ -177,9 +178,10 @@ def test_capture_waits_for_the_step_that_creates_the_optimizer_state(opt_name):
     batches = _batches(8, overflows={0, 1, 2})
     eager_model, model = _model(), _model()
     eager = uncompiled_step(eager_model, CAPTURABLE[opt_name](eager_model.parameters()),
-                            F.cross_entropy, dtype="fp16", capture="eager")  # fmt: skip
+                            F.cross_entropy, opt_level=level, dtype="fp16",
+                            capture="eager")  # fmt: skip
     step = uncompiled_step(model, CAPTURABLE[opt_name](model.parameters()), F.cross_entropy,
-                           dtype="fp16", warmup=2)  # fmt: skip
+                           opt_level=level, dtype="fp16", warmup=2)  # fmt: skip
     backend = install(step)
     ref = [eager(x, y) for x, y in batches]
     got, captured, reasons = [], [], []
