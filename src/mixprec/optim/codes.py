@@ -42,8 +42,8 @@ import math
 
 import torch
 
-__all__ = ["BLOCK", "PLANES", "code_values", "dequantize", "dequantize_plane", "pack",
-           "padded_size", "quantize", "quantize_plane"]  # fmt: skip
+__all__ = ["BLOCK", "PLANES", "block_max", "code_values", "dequantize",
+           "dequantize_plane", "pack", "padded_size", "quantize", "quantize_plane"]  # fmt: skip
 
 #: The default block size (the paper's, and bitsandbytes' and torchao's default).
 BLOCK = 256
@@ -78,23 +78,27 @@ def _value(q: torch.Tensor, signed: bool) -> torch.Tensor:
 
 
 def quantize_plane(
-    plane: torch.Tensor, block: int, signed: bool
+    plane: torch.Tensor, block: int, signed: bool, scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One plane (1-D fp32, whole blocks) as (int32 codes in [0, 255], fp32 block maxima).
+    """One plane (1-D fp32, whole blocks) as (int32 codes in [0, 255], fp32 block scales).
 
     The codes are bytes in int32 lanes (signed codes in two's complement); `quantize` shifts
-    each plane's into its byte of the words.
+    each plane's into its byte of the words. `scale` (one per block) is used instead of the
+    blocks' maxima where given (see `quantize`).
     """
     levels = float(_levels(signed))
     blocks = plane.view(-1, block)
-    absmax = blocks.abs().amax(dim=1)
+    absmax = blocks.abs().amax(dim=1) if scale is None else scale
     inverse = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
-    r = (blocks * inverse.unsqueeze(1)).view(-1)
-    q = torch.round(r.abs().sqrt().sqrt() * levels).clamp(max=levels).to(torch.int32)
+    r = (blocks.abs() * inverse.unsqueeze(1)).view(-1)
+    q = torch.round(r.sqrt().sqrt() * levels).clamp(max=levels).to(torch.int32)
+    # The sign from `plane`, and each intermediate used once: compiled, a value used twice
+    # that reads more than 4 tensors is written to memory and read back (inductor's CPU
+    # heuristic), which made the 8-bit step's one pass two.
     if signed:
-        return torch.where(r < 0, -q, q) & 0xFF, absmax
+        return (q * (1 - 2 * (plane < 0).to(torch.int32))) & 0xFF, absmax
     # Zero is kept for exact zeros only (see `quantize`).
-    return torch.where(r > 0, q.clamp(min=1), torch.zeros_like(q)), absmax
+    return torch.where(plane > 0, q.clamp(min=1), torch.zeros_like(q)), absmax
 
 
 def dequantize_plane(
@@ -102,14 +106,19 @@ def dequantize_plane(
 ) -> torch.Tensor:
     """Plane `plane` of (`words`, `absmax`) as a 1-D fp32 tensor (`absmax`: that plane's)."""
     block = words.numel() // absmax.numel()
-    q = (words >> (8 * plane)) & 0xFF
-    if signed:
-        q = q - ((q >> 7) << 8)  # the byte's two's complement back to [-127, 127]
+    q = _plane_codes(words, plane, signed)
     return (_value(q, signed).view(-1, block) * absmax.unsqueeze(1)).view(-1)
 
 
-def quantize(x: torch.Tensor, block: int, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """`x` (any shape, fp32) as (int32 words, ``padded_size / 4``; fp32 block maxima).
+def quantize(
+    x: torch.Tensor, block: int, signed: bool, scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x` (any shape, fp32) as (int32 words, ``padded_size / 4``; fp32 block scales).
+
+    A block's scale is its absolute maximum, or `scale` (one value per block) where given:
+    any upper bound of the block's magnitudes (a value above its scale is coded as the
+    scale). A bound known before the values are is what lets a compiled optimizer step
+    encode in the same pass that computes them (`mixprec.optim.lowmem`).
 
     Unsigned (`signed=False`, second moments): zero is kept for exact zeros only. A small
     positive second moment rounded to 0 would make Adam divide its first moment by eps alone
@@ -121,8 +130,20 @@ def quantize(x: torch.Tensor, block: int, signed: bool) -> tuple[torch.Tensor, t
     pad = padded_size(flat.numel(), block) - flat.numel()
     if pad:
         flat = torch.nn.functional.pad(flat, (0, pad))
-    planes = [quantize_plane(plane, block, signed) for plane in flat.view(PLANES, -1)]
+    scales = [None] * PLANES if scale is None else list(scale.view(PLANES, -1))
+    planes = [quantize_plane(plane, block, signed, s)
+              for plane, s in zip(flat.view(PLANES, -1), scales, strict=True)]  # fmt: skip
     return pack([q for q, _ in planes]), torch.cat([absmax for _, absmax in planes])
+
+
+def block_max(x: torch.Tensor, block: int, blocks: int) -> torch.Tensor:
+    """The absolute maximum of each of `blocks` blocks of `block` elements of `x` (flattened,
+    zero-padded at the end to that many, as `quantize` pads): fp32, one per block."""
+    flat = x.reshape(-1)
+    pad = blocks * block - flat.numel()
+    if pad:
+        flat = torch.nn.functional.pad(flat, (0, pad))
+    return flat.view(blocks, block).abs().amax(dim=1)
 
 
 def pack(planes: list[torch.Tensor]) -> torch.Tensor:
@@ -133,6 +154,13 @@ def pack(planes: list[torch.Tensor]) -> torch.Tensor:
     for k in range(1, PLANES):
         words = words | (planes[k] << (8 * k))
     return words
+
+
+def _plane_codes(words: torch.Tensor, plane: int, signed: bool) -> torch.Tensor:
+    """Plane `plane`'s codes in int32: [-127, 127] signed, [0, 255] unsigned."""
+    if signed:  # the byte to the top, and an arithmetic shift back: its two's complement
+        return (words << (24 - 8 * plane)) >> 24
+    return (words >> (8 * plane)) & 0xFF
 
 
 def dequantize(

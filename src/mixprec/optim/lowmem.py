@@ -256,14 +256,17 @@ class LowMemOptimizer(torch.optim.Optimizer):
         return value.float().reshape(shape)
 
     def _write(self, group: dict[str, Any], state: dict[str, Any], name: str, signed: bool,
-               value: torch.Tensor, salt: int) -> None:  # fmt: skip
-        """Store the fp32 moment `value` in its precision."""
+               value: torch.Tensor, salt: int,
+               scale: torch.Tensor | None = None) -> None:  # fmt: skip
+        """Store the fp32 moment `value` in its precision (8-bit: relative to the block
+        scales `scale` where given, else to the blocks' maxima)."""
         held = state[name]
         if held.dtype == torch.int32:  # 8-bit codes
+            block = group["block_size"]
             if isinstance(state, _Plane):
-                state.pending[name] = codes.quantize_plane(value, group["block_size"], signed)
+                state.pending[name] = codes.quantize_plane(value, block, signed, scale)
                 return
-            q, absmax = codes.quantize(value, group["block_size"], signed)
+            q, absmax = codes.quantize(value, block, signed, scale)
             self._put(held, q)
             self._put(state[name + "_absmax"], absmax)
         elif held.dtype == torch.bfloat16:
@@ -272,6 +275,44 @@ class LowMemOptimizer(torch.optim.Optimizer):
             self._put(held, stochastic_round(value, stream))
         else:
             self._put(held, value)
+
+    def _moment(self, group: dict[str, Any], state: dict[str, Any], name: str, signed: bool,
+                g: torch.Tensor, rule: Any, salt: int) -> torch.Tensor:  # fmt: skip
+        """The moment `name` after this step, ``rule(old, g)`` in fp32, stored; returned.
+
+        `rule` must combine its two arguments with non-negative weights (Adam's moments,
+        SGD's momentum), so that ``rule(a, b)`` bounds ``|rule(old, g)|`` wherever ``|old|
+        <= a`` and ``|g| <= b``. 8-bit states are encoded against that bound, per block:
+        ``rule(old scale, gradient's block maximum)``, known before the new values are (the
+        old codes never exceed their scale). A block's maximum of the new values would need
+        the whole update computed before any of it is encoded: compiled, a second pass that
+        computes it again (the step took 1.46x O2's time on a 4 x Linear(512) model, 1.15x
+        with the bound). The bound is looser than the maximum: by the share of the gradient
+        it adds (Adam's first moment, 0.1 x the gradient's block maximum) and by how far
+        the old scale already was (an average of past gradient maxima, not of the values);
+        the code's resolution goes as the fourth root of the ratio (4x looser: 1.4x coarser
+        steps). A value that fp32 rounding puts above the bound is coded as the bound.
+        """
+        new = rule(self._read(group, state, name, signed, g.shape), g)
+        scale = None
+        if state[name].dtype == torch.int32:
+            old = state[name + "_absmax"]
+            if isinstance(state, _Plane):
+                old = old.view(codes.PLANES, -1)[state.plane]
+            scale = rule(old, self._gradient_maxima(group, state, g))
+        self._write(group, state, name, signed, new, salt, scale)
+        return new
+
+    @staticmethod
+    def _gradient_maxima(group: dict[str, Any], state: dict[str, Any],
+                         g: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """|g|'s block maxima (`_moment`): computed once per tensor and step, before the
+        planes of a compiled update, which each take their quarter (a reduction inside a
+        plane's loop split it in two)."""
+        if isinstance(state, _Plane):
+            return state.shared["gmax"].view(codes.PLANES, -1)[state.plane]
+        block = group["block_size"]
+        return codes.block_max(g, block, codes.padded_size(g.numel(), block) // block)
 
     @staticmethod
     def _weight(group: dict[str, Any], p: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
@@ -328,7 +369,10 @@ class LowMemOptimizer(torch.optim.Optimizer):
         earlier in the same traced function as absent). No host sync.
         """
         # The reciprocal in fp64, as the scalers take it; exact for their powers of two.
-        inv = None if grad_scale is None else grad_scale.double().reciprocal().float()
+        # Computed once, not inside each element's loop (`computed_once`).
+        inv = None
+        if grad_scale is not None:
+            inv = computed_once(grad_scale.double().reciprocal().float())
         if found_inf is None:
             with torch.no_grad():
                 self._step_all(inv)
@@ -366,6 +410,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
                 g = grad.float() if inv is None else grad.float() * inv
                 if group["maximize"]:
                     g = -g
+                g = self._gradient(group, p, g, state)
                 if self._planewise(group, p):
                     self._step_planes(group, p, g, state)
                 else:
@@ -399,7 +444,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
     def _step_planes(self, group: dict[str, Any], p: torch.Tensor, g: torch.Tensor,
                      state: dict[str, Any]) -> None:  # fmt: skip
         numel = p.numel()
-        shared: dict[str, Any] = {}
+        shared: dict[str, Any] = {"gmax": self._gradient_maxima(group, state, g)}
         planes = [_Plane(state, k, numel, shared) for k in range(codes.PLANES)]
         weights = []
         for plane, pk, gk in zip(planes, p.view(codes.PLANES, -1), g.view(codes.PLANES, -1),
@@ -415,6 +460,13 @@ class LowMemOptimizer(torch.optim.Optimizer):
             parts = [plane.pending[name] for plane in planes]
             self._put(state[name], codes.pack([q for q, _ in parts]))
             self._put(state[name + "_absmax"], torch.cat([absmax for _, absmax in parts]))
+
+    def _gradient(self, group: dict[str, Any], p: torch.Tensor, g: torch.Tensor,
+                  state: dict[str, Any]) -> torch.Tensor:  # fmt: skip
+        """The gradient the moments see: `g` plus L2 weight decay where the kind adds it.
+        Taken on the whole tensor, before a compiled update's planes, so the block maxima
+        of `_moment` are those of this gradient."""
+        return g
 
     def _update(self, group: dict[str, Any], p: torch.Tensor, g: torch.Tensor,
                 state: dict[str, Any]) -> None:  # fmt: skip
@@ -550,28 +602,37 @@ class LowMemAdamW(LowMemOptimizer):
                         block_size=block_size, min_quantized=min_quantized, seed=seed)  # fmt: skip
         super().__init__(params, defaults)
 
+    def _gradient(self, group: dict[str, Any], p: torch.Tensor, g: torch.Tensor,
+                  state: dict[str, Any]) -> torch.Tensor:  # fmt: skip
+        if self._decoupled:
+            return g
+        return _l2(group, g, lambda: self._weight(group, p, state))
+
     def _update(self, group: dict[str, Any], p: torch.Tensor, g: torch.Tensor,
                 state: dict[str, Any]) -> None:  # fmt: skip
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         beta1, beta2 = group["betas"]
-        w = self._weight(group, p, state)
         delta = None
-        if wd != 0:
-            if self._decoupled:
-                delta = w * (-lr * wd)
-            else:
-                g = g + wd * w
+        if wd != 0 and self._decoupled:
+            delta = self._weight(group, p, state) * (-lr * wd)
         (m_name, m_signed), (v_name, v_signed) = self._moments
-        m = self._read(group, state, m_name, m_signed, p.shape).lerp(g, 1 - beta1)
-        v = self._read(group, state, v_name, v_signed, p.shape) * beta2 + (1 - beta2) * g * g
-        self._write(group, state, m_name, m_signed, m, 1)
-        self._write(group, state, v_name, v_signed, v, 2)
+        # torch's lerp as separate kernels: eager lerp fuses a multiply-add on tensors of
+        # 64+ elements, which compiled code does not, so the bits would differ.
+        m = self._moment(group, state, m_name, m_signed, g,
+                         lambda old, x: old + (x - old) * (1 - beta1), 1)  # fmt: skip
+        v = self._moment(group, state, v_name, v_signed, g,
+                         lambda old, x: old * beta2 + (1 - beta2) * x * x, 2)  # fmt: skip
         correction1, correction2_sqrt = self._once(
             state, "corrections", lambda: _corrections(state["step"], beta1, beta2)
         )
         denom = v.sqrt() / correction2_sqrt + eps
         update = m / denom * (-lr / correction1)
         self._apply(group, p, state, update if delta is None else update + delta)
+
+
+def _l2(group: dict[str, Any], g: torch.Tensor, w: Any) -> torch.Tensor:
+    """`g` with L2 weight decay ``weight_decay * w`` added (`w()` gives the fp32 weight)."""
+    return g + group["weight_decay"] * w() if group["weight_decay"] != 0 else g
 
 
 def _corrections(step: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
@@ -633,19 +694,22 @@ class LowMemSGD(LowMemOptimizer):
     def _moments_of(self, group: dict[str, Any]) -> tuple[tuple[str, bool], ...]:
         return self._moments if group["momentum"] else ()
 
+    def _gradient(self, group: dict[str, Any], p: torch.Tensor, g: torch.Tensor,
+                  state: dict[str, Any]) -> torch.Tensor:  # fmt: skip
+        return _l2(group, g, lambda: self._weight(group, p, state))
+
     def _update(self, group: dict[str, Any], p: torch.Tensor, g: torch.Tensor,
                 state: dict[str, Any]) -> None:  # fmt: skip
-        w = self._weight(group, p, state)
-        if group["weight_decay"] != 0:
-            g = g + group["weight_decay"] * w
         mu = group["momentum"]
         if mu != 0:
-            buf = self._read(group, state, "momentum_buffer", True, p.shape)
             # torch's first step takes the gradient itself as the buffer; the counter says
             # which step this is without a Python branch on the data.
-            first = state["step"] == 1
-            buf = torch.where(first, g, buf * mu + (1 - group["dampening"]) * g)
-            self._write(group, state, "momentum_buffer", True, buf, 1)
+            first, keep = state["step"] == 1, 1 - group["dampening"]
+
+            def rule(old: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+                return torch.where(first, x, old * mu + keep * x)
+
+            buf = self._moment(group, state, "momentum_buffer", True, g, rule, 1)
             g = g + mu * buf if group["nesterov"] else buf
         self._apply(group, p, state, g * -group["lr"])
 

@@ -153,8 +153,43 @@ def kahan_add(
     """
     wide = w.float()
     total = update + comp.float()
-    new = (wide + total).to(w.dtype)
-    return new, (total - (new.float() - wide)).to(comp.dtype)
+    new, value = _rounded(wide + total, w.dtype)
+    return new, (total - (value - wide)).to(comp.dtype)
+
+
+def _rounded(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 `x` rounded to nearest (even) in 16-bit `dtype`: (that tensor, its fp32 value).
+
+    ``r = x.to(dtype); r.float()`` eagerly, but inductor's CPU code computes 16-bit values in
+    fp32 and drops a rounding to 16 bits that is followed by use in fp32 (``x.to(bf16)
+    .float()`` compiles to ``x``, and dtype views that cancel are folded away): Kahan's
+    compensation was then fp32's rounding error, not the weight's, and the small updates it
+    exists to keep were lost. So the value is computed from bits, which cannot be folded:
+    for bf16 the rounding itself in int32 lanes (as torch's conversion rounds: add 0x7FFF
+    and the kept part's lowest bit, truncate); for fp16 the rounded tensor's bits read
+    back (int16 lanes, which compiled CPU code runs one element at a time: slow, but rare).
+    """
+    if dtype == torch.bfloat16:
+        bits = x.contiguous().view(torch.int32)
+        up = bits + (0x7FFF + (_srl(bits, 16) & 1))
+        value = torch.where(torch.isnan(x), x, (up & -65536).view(torch.float32))
+        return value.to(dtype), value
+    new = x.to(dtype)
+    return new, _as_float(new)
+
+
+def _as_float(t: torch.Tensor) -> torch.Tensor:
+    """The fp32 values of bf16/fp16 `t`, rebuilt from its bits (`_rounded`)."""
+    h = t.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+    if t.dtype == torch.bfloat16:  # the top half of an fp32
+        return (_signed16(h) * 65536).view(torch.float32)
+    sign = torch.where(h >= 0x8000, -1.0, 1.0)
+    exponent, mantissa = (h >> 10) & 0x1F, h & 0x3FF
+    # Normal and non-finite: re-biased exponent (31 -> 255), mantissa moved up 13 bits.
+    biased = torch.where(exponent == 31, 255, exponent + 112)
+    normal = ((biased << 23) | (mantissa << 13)).view(torch.float32)
+    subnormal = mantissa.float() * 2.0**-24  # exact
+    return sign * torch.where(exponent == 0, subnormal, normal)
 
 
 def split_master(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
