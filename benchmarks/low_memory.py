@@ -11,7 +11,9 @@ Two real tasks, both offline, each trained from 3 seeds per variant with the sam
 
 Variants: fp32 (O0); O2 (bf16 weights, fp32 masters and states); O3 (bf16 weights and states,
 round to nearest: the baseline that should lose); O4 (bf16 weights with stochastic rounding,
-8-bit states: 6 bytes/param); O4-kahan; O4-bf16states; O2-split (O2's exact fp32 masters held
+8-bit states: 6 bytes/param); O4-bound (O4 with ``optimizer_states='8bit-bound'``: each block's
+scale a bound known before the step, one compiled pass); O4-kahan; O4-bf16states; O2-split (O2's
+exact fp32 masters held
 as bf16 weight + 16 low bits, fp32 states); and, where torchao imports beside this torch,
 torchao's AdamW8bit and _AdamW with its bf16 stochastic rounding on the same bf16 model (norms
 fp32, as O4). Bytes per parameter: `mixprec.memory_report` after the last backward.
@@ -58,6 +60,7 @@ VARIANTS = {
     "O2": ("O2", {}),
     "O3": ("O3", {}),
     "O4": ("O4", {}),
+    "O4-bound": ("O4", {"optimizer_states": "8bit-bound"}),
     "O4-kahan": ("O4", {"master_weights": "kahan"}),
     "O4-bf16states": ("O4", {"optimizer_states": "bf16"}),
     "O2-split": ("O2", {"master_weights": "split"}),
@@ -287,7 +290,8 @@ def _report(model, opt, loss_fn):
 
 
 def speed(rounds: int, steps: int) -> dict:
-    """Median ms per compiled TrainStep (O2, O4) and per eager torchao step, interleaved."""
+    """Median ms per compiled TrainStep (O2, O4, O4-bound) and per eager torchao step,
+    interleaved."""
 
     def mlp():
         torch.manual_seed(0)
@@ -295,10 +299,11 @@ def speed(rounds: int, steps: int) -> dict:
 
     x, y = torch.randn(64, 512), torch.randn(64, 512)
     runners = {}
-    for name in ("O2", "O4"):
+    for name in ("O2", "O4", "O4-bound"):
         model = mlp()
+        level, kw = VARIANTS[name]
         step = mixprec.TrainStep(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                 F.mse_loss, opt_level=name)  # fmt: skip
+                                 F.mse_loss, opt_level=level, **kw)  # fmt: skip
         start = time.perf_counter()
         for _ in range(3):  # the eager first step, then compile
             step(x, y)
@@ -338,13 +343,15 @@ def speed(rounds: int, steps: int) -> dict:
             "compiled": None if step is None else step.compiled,
             "reason": None if step is None else step.reason,
         }
-    if "O2" in out and "O4" in out:
-        out["O4_over_O2"] = out["O4"]["median_ms"] / out["O2"]["median_ms"]
-        # Each round's O4 time over the O2 time measured just before it: the machine's speed
+    for name in ("O4", "O4-bound"):
+        if "O2" not in out or name not in out:
+            continue
+        out[f"{name}_over_O2"] = out[name]["median_ms"] / out["O2"]["median_ms"]
+        # Each round's time over the O2 time measured just before it: the machine's speed
         # drifts between rounds (O2's rounds spanned 12.6-18.0 ms in one run on the shared
         # development CPU), and pairing neighbours takes the slow part of that drift out.
-        pairs = zip(times["O2"], times["O4"], strict=True)
-        out["O4_over_O2_rounds"] = [round(b / a, 4) for a, b in pairs]
+        pairs = zip(times["O2"], times[name], strict=True)
+        out[f"{name}_over_O2_rounds"] = [round(b / a, 4) for a, b in pairs]
     return out
 
 
@@ -448,14 +455,16 @@ def table(meta: dict, summary: dict, speeds: dict | None) -> str:
             if isinstance(row, dict):
                 how = "TrainStep compiled (inductor)" if row["compiled"] else "eager loop"
                 lines.append(f"| {name} | {row['median_ms']:.2f} | {how} |")
-        if "O4_over_O2" in speeds:
-            lines += ["", f"O4 / O2 step time: {speeds['O4_over_O2']:.3f}"]
-        rounds = speeds.get("O4_over_O2_rounds")
-        if rounds:
-            lines[-1] += (
-                f" (ratio of the medians; round by round: median "
-                f"{statistics.median(rounds):.3f}, {min(rounds):.3f}-{max(rounds):.3f})"
-            )
+        for name in ("O4", "O4-bound"):
+            if f"{name}_over_O2" not in speeds:
+                continue
+            lines += ["", f"{name} / O2 step time: {speeds[f'{name}_over_O2']:.3f}"]
+            rounds = speeds.get(f"{name}_over_O2_rounds")
+            if rounds:
+                lines[-1] += (
+                    f" (ratio of the medians; round by round: median "
+                    f"{statistics.median(rounds):.3f}, {min(rounds):.3f}-{max(rounds):.3f})"
+                )
     return "\n".join(lines) + "\n"
 
 

@@ -112,6 +112,13 @@ def test_o4_figure_is_low_memorys_ratio(tmp_path):
     (tmp_path / "o4.json").write_text(json.dumps({"speed": speed}))
     figures = cg.extract_o4(_ctx(tmp_path), "")
     assert figures.values["O4 / O2, round by round: median"] == pytest.approx(1.16)
+    # O4 with '8bit-bound' states is reported beside it, and does not decide the goal.
+    assert figures.unmeasured["O4 (8bit-bound) / O2 step time"] == "O4-bound did not run"
+    (tmp_path / "o4.json").write_text(json.dumps({"speed": {**speed, "O4-bound_over_O2": 1.09}}))
+    figures = cg.extract_o4(_ctx(tmp_path), "")
+    assert figures.values["O4 (8bit-bound) / O2 step time"] == 1.09
+    (goal,) = _judged("o4", figures, SLOW_BF16).values()
+    assert goal["value"] == speed["O4_over_O2"]
 
 
 def test_tests_figures_come_from_the_timing_and_pytests_summary(tmp_path):

@@ -140,9 +140,10 @@ class AmpConfig:
             raise IntegrationError(
                 f"AmpConfig opt_level={self.opt_level!r} with low-memory weights or optimizer "
                 f"states (O4, master_weights='stochastic'/'kahan'/'split', optimizer_states="
-                f"'bf16'/'8bit') is not supported by the integrations: the framework's own "
-                f"optimizer would step bf16 weights by round-to-nearest. Valid levels here: "
-                f"'O0', 'O1', 'O2' or 'O3'. For O4's training state, build mixprec.LowMemAdamW "
+                f"'bf16'/'8bit'/'8bit-bound') is not supported by the integrations: the "
+                f"framework's own optimizer would step bf16 weights by round-to-nearest. Valid "
+                f"levels here: 'O0', 'O1', 'O2' or 'O3'. For O4's training state, build "
+                f"mixprec.LowMemAdamW "
                 f"(or LowMemAdam, LowMemSGD) in your optimizer factory (configure_optimizers) and "
                 f"train at opt_level='O3', or use mixprec.initialize / mixprec.TrainStep."
             )

@@ -93,11 +93,11 @@ def initialize(
         overrides: Apex's option names (``cast_model_type``, ``keep_batchnorm_fp32``,
             ``master_weights``, ``loss_scale``, ``min_loss_scale``, ``max_loss_scale``,
             ``cast_model_outputs``, ``patch_torch_functions``) plus ``num_losses``,
-            ``optimizer_states`` (``'fp32'``, ``'bf16'``, ``'8bit'``), ``seed`` (of stochastic
-            rounding), ``policy`` (the op policy for O1's autocast, and its FP8 module rules)
-            and ``fp8``
-            (an `Fp8Recipe` or its name: the policy's FP8 layers, by default every linear layer
-            with sizes multiple of 16 except the first and the last, become `Fp8Linear`s).
+            ``optimizer_states`` (``'fp32'``, ``'bf16'``, ``'8bit'``, ``'8bit-bound'``),
+            ``seed`` (of stochastic rounding), ``policy`` (the op policy for O1's autocast,
+            and its FP8 module rules) and ``fp8`` (an `Fp8Recipe` or its name: the policy's
+            FP8 layers, by default every linear layer with sizes multiple of 16 except the
+            first and the last, become `Fp8Linear`s).
 
     Returns:
         ``model`` (inference), or ``(model, optimizer)``; lists where lists were given. The
@@ -164,10 +164,10 @@ def initialize(
         if options.low_memory and "sharded" in kinds:
             raise UsageError(
                 "low-memory weights and optimizer states (opt_level='O4', master_weights="
-                "'stochastic'/'kahan'/'split', optimizer_states='bf16'/'8bit') are not supported "
-                "on a model sharded by mixprec.fully_shard yet: DCP cannot reshard blockwise "
-                "8-bit states. Use them with one process or DDP, or shard with O2 and "
-                "optimizer_states='fp32'."
+                "'stochastic'/'kahan'/'split', optimizer_states='bf16'/'8bit'/'8bit-bound') "
+                "are not supported on a model sharded by mixprec.fully_shard yet: DCP cannot "
+                "reshard blockwise 8-bit states. Use them with one process or DDP, or shard "
+                "with O2 and optimizer_states='fp32'."
             )
         _check_unscalable(model_list, options)
     scaler = _make_scaler(options) if optimizers is not None else None
