@@ -542,15 +542,17 @@ def _steps(compile_arg, **kw):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("weights", ["stochastic", "kahan", "split"])
-def test_trainstep_compiled_rounds_as_eager_and_skips_exactly(weights):
+@pytest.mark.parametrize(("weights", "states"), [("stochastic", "8bit"), ("kahan", "8bit"),
+                                                 ("split", "8bit"),
+                                                 ("stochastic", "8bit-bound")])  # fmt: skip
+def test_trainstep_compiled_rounds_as_eager_and_skips_exactly(weights, states):
     # The compiled backward's gradients may differ from eager autograd's in the last bit
     # (decomposed ops), so the runs agree to rounding, not bit for bit; the optimizer's own
     # arithmetic is compared bit for bit, with equal gradients, in
     # test_the_compiled_update_is_the_eager_one.
     overflows = {2, 5}
-    eager = _steps(False, master_weights=weights, loss_scale="dynamic")
-    step = _steps(FAST, master_weights=weights, loss_scale="dynamic")
+    kw = {"master_weights": weights, "optimizer_states": states, "loss_scale": "dynamic"}
+    eager, step = _steps(False, **kw), _steps(FAST, **kw)
     for i, (x, y) in enumerate(_batches(7, overflows)):
         before = _state_bits(step.optimizer)
         want, got = eager(x, y), step(x, y)
