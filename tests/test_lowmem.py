@@ -222,6 +222,22 @@ def test_counter_hash_is_murmur3s_finalizer_over_a_weyl_sequence_bit_for_bit(key
                 assert got[i].item() & 0xFFFFFFFF == want, (key, counter, offset, i)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kahans_rounding_from_bits_is_torchs_conversion(dtype):
+    # `_rounded` (what Kahan's compensation reads, computed from bits so compiled code cannot
+    # skip the rounding) against torch's own conversion, over random fp32 bit patterns.
+    from mixprec.optim.rounding import _rounded
+
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(-(2**31), 2**31, (1 << 18,), dtype=torch.int64, generator=g)
+    x = bits.to(torch.int32).view(torch.float32)
+    new, value = _rounded(x, dtype)
+    want = x.to(dtype)
+    nan = want.isnan()
+    assert torch.equal(new.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+    assert torch.equal(value[~nan], want.float()[~nan]) and value[nan].isnan().all()
+
+
 def test_stochastic_rounding_is_unbiased_and_picks_a_neighbour():
     x = torch.full((20000,), 1.0 + 2**-10, dtype=torch.float32)  # a quarter-ulp above 1.0
     stream = counter_stream(torch.tensor(3), torch.tensor(1.0))

@@ -175,14 +175,12 @@ def _rounded(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
         value = torch.where(torch.isnan(x), x, (up & -65536).view(torch.float32))
         return value.to(dtype), value
     new = x.to(dtype)
-    return new, _as_float(new)
+    return new, _fp16_value(new)
 
 
-def _as_float(t: torch.Tensor) -> torch.Tensor:
-    """The fp32 values of bf16/fp16 `t`, rebuilt from its bits (`_rounded`)."""
+def _fp16_value(t: torch.Tensor) -> torch.Tensor:
+    """The fp32 values of fp16 `t`, rebuilt from its bits (`_rounded`)."""
     h = t.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
-    if t.dtype == torch.bfloat16:  # the top half of an fp32
-        return (_signed16(h) * 65536).view(torch.float32)
     sign = torch.where(h >= 0x8000, -1.0, 1.0)
     exponent, mantissa = (h >> 10) & 0x1F, h & 0x3FF
     # Normal and non-finite: re-biased exponent (31 -> 255), mantissa moved up 13 bits.
