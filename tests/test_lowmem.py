@@ -24,6 +24,7 @@ from mixprec.optim.rounding import (
     kahan_add,
     split_master,
     stochastic_round,
+    unpack_halves,
 )
 
 FAST = {"backend": "aot_eager", "kernels": "native"}
@@ -282,22 +283,33 @@ def test_split_master_is_exact_and_its_weight_is_round_to_nearest():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(50000, generator=g) * torch.logspace(-30, 30, 50000)
     w, rest = split_master(x)
-    assert w.dtype == torch.bfloat16 and rest.dtype == torch.int16
+    assert w.dtype == torch.bfloat16 and rest.dtype == torch.int32  # int32 lanes (see below)
     assert torch.equal(join_master(w, rest).view(torch.int32), x.view(torch.int32))
     tie = (x.view(torch.int32) & 0xFFFF) == 0x8000
     assert torch.equal(w[~tie], x.bfloat16()[~tie])  # round to nearest, but for exact ties
-    # Bit patterns at the edges (carries into the exponent and the sign, all-ones, NaNs,
+    # Bit patterns at the edges (carries into the exponent and the sign, all-ones,
     # infinities), against the rule in Python integers: top half plus the low half's top bit.
     edges = [0, 0x7FFF, 0x8000, 0x8001, 0xFFFF, 0x10000, 0x3F807FFF, 0x3F808000, 0x7F7FFFFF,
-             0x7F7F8000, 0x7F800000, 0x7FC00000, 0x7FFF8000, 0x80000000, 0x80008000,
-             0xFFFF7FFF, 0xFFFF8000, 0xFFFFFFFF]  # fmt: skip
+             0x7F7F8000, 0x7F800000, 0x80000000, 0x80008000, 0xFF7F8000]  # fmt: skip
     signed = [u - (1 << 32) if u >= 1 << 31 else u for u in edges]
     x = torch.tensor(signed, dtype=torch.int32).view(torch.float32)
     w, rest = split_master(x)
     assert torch.equal(join_master(w, rest).view(torch.int32), x.view(torch.int32))
     top = [((u >> 16) + (u >> 15 & 1)) & 0xFFFF for u in edges]
     assert [b & 0xFFFF for b in w.view(torch.int16).tolist()] == top
-    assert [b & 0xFFFF for b in rest.tolist()] == [u & 0xFFFF for u in edges]
+    assert rest.tolist() == [u & 0xFFFF for u in edges]
+    # A NaN master stays a NaN (its payload may not: the weight is made by a conversion).
+    nans = torch.tensor([0x7FC00000, 0x7FFF8000, -1, -0x8000, -0x7FFFFF],
+                        dtype=torch.int32).view(torch.float32)  # fmt: skip
+    assert join_master(*split_master(nans)).isnan().all()
+    # Held two to an int32 word: each half of the tensor reads whole words.
+    from mixprec.optim.rounding import pack_halves
+
+    for n in (1, 6, 7):
+        low = torch.arange(n, dtype=torch.int32) * 9000 % 65536
+        words = pack_halves(low)
+        assert words.shape == ((n + 1) // 2,) and words.dtype == torch.int32
+        assert torch.equal(unpack_halves(words, n), low)
 
 
 # ---------------------------------------------------------------------- the optimizers
@@ -370,7 +382,8 @@ def test_split_weights_follow_fp32_masters_bit_for_bit_in_the_master():
         ref_opt.step()
         opt.step()
         for m, p in zip(masters, ours.parameters(), strict=True):
-            assert torch.equal(join_master(p.detach(), opt.state[p]["lo"]), m.detach())
+            low = unpack_halves(opt.state[p]["lo"], p.numel()).view(p.shape)
+            assert torch.equal(join_master(p.detach(), low), m.detach())
             # The weight is m rounded to nearest, except at exact ties (rounded half up).
             tie = (m.detach().view(torch.int32) & 0xFFFF) == 0x8000
             assert torch.equal(p.detach()[~tie], m.detach().bfloat16()[~tie])
@@ -516,7 +529,8 @@ def test_o3_freezes_a_small_update_that_o4_and_split_keep():
         key = (level, kw.get("master_weights"))
         w = model.weight.detach()
         state = opt.optimizer.state.get(model.weight, {})
-        value = (opt._masters[0] if opt._masters else join_master(w, state["lo"])
+        value = (opt._masters[0] if opt._masters
+                 else join_master(w, unpack_halves(state["lo"], w.numel()).view(w.shape))
                  if "lo" in state else w.float() + state["comp"].float()
                  if "comp" in state else w.float())  # fmt: skip
         held[key], weights[key] = value.mean().item(), w.float().mean().item()
@@ -753,6 +767,24 @@ def test_memory_report_is_exact_for_fp32_adamw():
     assert report.bytes["counters"] == 4 * 8  # eight fp32 step counters
     assert 16.0 <= report.per_param() < 16.001
     assert "16.000 bytes/parameter" in str(report)
+
+
+def test_a_split_master_saved_with_int16_low_bits_loads_packed():
+    # Before 0.8 the low bits were an int16 tensor shaped like the weight; they are now two
+    # to an int32 word. Such a checkpoint loads, packed, and steps on as the packed one does.
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(30, 7).bfloat16())  # odd element count: a padded word
+    opt = LowMemAdamW([p], lr=1e-2, weights="split", states="fp32")
+    p.grad = torch.randn(30, 7).bfloat16()
+    opt.step()
+    saved = opt.state_dict()
+    lo = unpack_halves(saved["state"][0]["lo"], p.numel())
+    old_lo = torch.where(lo >= 0x8000, lo - 0x10000, lo).to(torch.int16).view(p.shape)
+    old = {**saved, "state": {0: {**saved["state"][0], "lo": old_lo}}}
+    fresh = LowMemAdamW([torch.nn.Parameter(p.detach().clone())], lr=1e-2, weights="split",
+                        states="fp32")  # fmt: skip
+    fresh.load_state_dict(old)
+    assert _bitwise(_state_bits(fresh), _state_bits(opt))
 
 
 @pytest.mark.parametrize(

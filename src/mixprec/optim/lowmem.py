@@ -53,8 +53,10 @@ from mixprec.optim.rounding import (
     join_master,
     kahan_add,
     mix_seed,
+    pack_halves,
     split_master,
     stochastic_round,
+    unpack_halves,
 )
 
 __all__ = ["STATES", "WEIGHTS", "LowMemAdam", "LowMemAdamW", "LowMemOptimizer", "LowMemSGD"]
@@ -125,6 +127,22 @@ def _shaped(value: Any, numel: int) -> bool:
     return torch.is_tensor(value) and value.dim() > 0 and value.numel() == numel
 
 
+def _low_bits(state: dict[str, Any], p: torch.Tensor) -> torch.Tensor:
+    """A split master's low 16 bits for `p`'s elements (int32, `p`'s shape): a plane's own,
+    or unpacked from the state's words."""
+    if isinstance(state, _Plane):
+        return state["lo"].view(p.shape)
+    return unpack_halves(state["lo"], p.numel()).view(p.shape)
+
+
+def _plane_halves(words: torch.Tensor, plane: int) -> torch.Tensor:
+    """Plane `plane`'s low bits from a split master's words (`pack_halves`: word j holds
+    element j and j + numel/2; planes 0, 1 are the low halves of the two halves of the
+    words, planes 2, 3 their high halves)."""
+    half = words.view(2, -1)[plane % 2]
+    return (half >> (16 * (plane // 2))) & 0xFFFF
+
+
 class _Plane(dict):
     """Plane `plane` of a parameter's state, for one plane's update (`_step_planes`).
 
@@ -145,6 +163,8 @@ class _Plane(dict):
         for name, value in state.items():
             if _shaped(value, numel):
                 value = value.reshape(codes.PLANES, size)[plane].clone()
+            elif name == "lo":  # a split master's packed low bits: this plane's, unpacked
+                value = _plane_halves(value, plane)
             self[name] = value
         self.plane, self.offset, self.shared = plane, plane * size, shared
         self.pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -234,7 +254,9 @@ class LowMemOptimizer(torch.optim.Optimizer):
         if low and group["weights"] == "kahan":
             state["comp"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
         if low and group["weights"] == "split":
-            state["lo"] = torch.zeros(p.shape, dtype=torch.int16, device=p.device)
+            # Two 16-bit halves to an int32 word (`pack_halves`): int16 lanes would make
+            # a compiled CPU update run element by element.
+            state["lo"] = torch.zeros((p.numel() + 1) // 2, dtype=torch.int32, device=p.device)
         for name, _signed in self._moments_of(group):
             if self._quantized(group, p):
                 n = codes.padded_size(p.numel(), group["block_size"])
@@ -326,7 +348,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
     def _weight(group: dict[str, Any], p: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
         """The weight in fp32: the exact master where the group keeps one (split)."""
         if p.dtype != torch.float32 and group["weights"] == "split":
-            return join_master(p, state["lo"].view(p.shape))
+            return join_master(p, _low_bits(state, p))
         return p.float()
 
     def _apply(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any],
@@ -344,9 +366,9 @@ class LowMemOptimizer(torch.optim.Optimizer):
                                 lambda: counter_stream(state["key"], state["step"]))  # fmt: skip
             self._put(p, stochastic_round(p.float() + delta, stream, offset))
         elif group["weights"] == "split":
-            weight, rest = split_master(join_master(p, state["lo"].view(p.shape)) + delta)
+            weight, rest = split_master(join_master(p, _low_bits(state, p)) + delta)
             self._put(p, weight)
-            self._put(state["lo"], rest)
+            self._put(state["lo"], rest if isinstance(state, _Plane) else pack_halves(rest))
         else:
             self._put(p, (p.float() + delta).to(p.dtype))
 
@@ -466,6 +488,9 @@ class LowMemOptimizer(torch.optim.Optimizer):
         for name, value in state.items():
             if _shaped(value, numel):
                 value.copy_(torch.cat([plane[name] for plane in planes]).view(value.shape))
+            elif name == "lo":  # packed again: planes k and k + 2 share words
+                lo = [plane["lo"] for plane in planes]
+                value.copy_(torch.cat([lo[0] | (lo[2] << 16), lo[1] | (lo[3] << 16)]))
         for name in planes[0].pending:
             parts = [plane.pending[name] for plane in planes]
             self._put(state[name], codes.pack([q for q, _ in parts]))
@@ -538,7 +563,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
         moments stored in this optimizer's precision, as `converted` does.
         """
         if isinstance(state_dict, dict):
-            state_dict = self._from_torch(state_dict)
+            state_dict = _packed_low_bits(self._from_torch(state_dict))
         saved = state_dict.get("state", {}) if isinstance(state_dict, dict) else {}
         params = [p for g in self.param_groups for p in g["params"]]
         groups = state_dict.get("param_groups", []) if isinstance(state_dict, dict) else []
@@ -638,6 +663,24 @@ class LowMemAdamW(LowMemOptimizer):
         denom = v.sqrt() / correction2_sqrt + eps
         update = m / denom * (-lr / correction1)
         self._apply(group, p, state, update if delta is None else update + delta)
+
+
+def _packed_low_bits(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """`state_dict` with split masters' low bits saved as int16 (one per element, before
+    0.8) packed two to an int32 word as they are held now (`pack_halves`)."""
+    state = state_dict.get("state")
+    if not isinstance(state, dict) or not any(
+        isinstance(e, dict) and torch.is_tensor(e.get("lo")) and e["lo"].dtype == torch.int16
+        for e in state.values()
+    ):
+        return state_dict
+    new = {}
+    for pid, entry in state.items():
+        lo = entry.get("lo") if isinstance(entry, dict) else None
+        if torch.is_tensor(lo) and lo.dtype == torch.int16:
+            entry = {**entry, "lo": pack_halves(lo.reshape(-1).to(torch.int32) & 0xFFFF)}
+        new[pid] = entry
+    return {**state_dict, "state": new}
 
 
 def _l2(group: dict[str, Any], g: torch.Tensor, w: Any) -> torch.Tensor:
