@@ -715,6 +715,25 @@ def test_the_compiled_update_is_the_eager_one(kind, states):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("shape", [(33, 31), (64, 64)])
+def test_a_split_master_updates_its_two_halves_alike_eager_and_compiled(shape):
+    # The whole-tensor split update (fp32 states) works on the tensor's two halves, whose low
+    # bits share words; an odd element count leaves the last word's high half unused.
+    runs = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(*shape).bfloat16())
+        opt = LowMemAdamW([p], lr=1e-2, weights="split", states="fp32")
+        step = torch.compile(opt.step, backend="aot_eager") if compiled else opt.step
+        for i in range(4):
+            p.grad = torch.randn(*shape).bfloat16()
+            (opt.step if i == 0 else step)()
+        runs.append([p.detach().clone(), *[v.clone() for v in opt.state[p].values()]])
+        assert opt.state[p]["lo"].shape == ((shape[0] * shape[1] + 1) // 2,)
+    assert _bitwise(*runs)
+
+
+@pytest.mark.compile
 def test_compiled_kahan_keeps_the_weights_rounding_error():
     # Inductor's CPU code computes bf16 values in fp32 and dropped the rounding inside
     # ``new.float()``: the compensation held fp32's rounding error (~1e-8, not the weight's

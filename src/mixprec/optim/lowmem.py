@@ -365,12 +365,36 @@ class LowMemOptimizer(torch.optim.Optimizer):
             stream = self._once(state, "stream",
                                 lambda: counter_stream(state["key"], state["step"]))  # fmt: skip
             self._put(p, stochastic_round(p.float() + delta, stream, offset))
-        elif group["weights"] == "split":
+        elif group["weights"] == "split" and isinstance(state, _Plane):
             weight, rest = split_master(join_master(p, _low_bits(state, p)) + delta)
             self._put(p, weight)
-            self._put(state["lo"], rest if isinstance(state, _Plane) else pack_halves(rest))
+            self._put(state["lo"], rest)
+        elif group["weights"] == "split":
+            self._apply_split(p, state, delta)
         else:
             self._put(p, (p.float() + delta).to(p.dtype))
+
+    def _apply_split(self, p: torch.Tensor, state: dict[str, Any], delta: torch.Tensor) -> None:
+        """``p += delta`` on a split master, the tensor's two halves side by side: word j of
+        the low bits holds elements j and j + h, so each half is updated into a copy of its
+        own and the words are packed from the two. (Packing from the whole tensor's result
+        computed each element's update twice when compiled: inductor read it at two places.)
+        """
+        words, numel = state["lo"], p.numel()
+        h = words.numel()
+        flat, step = p.reshape(-1), delta.reshape(-1)
+        halves = []
+        for k, (start, end) in enumerate(((0, h), (h, numel))):
+            low = (words >> (16 * k)) & 0xFFFF
+            part = flat[start:end].clone()  # written below; both go back in one copy
+            new, rest = split_master(join_master(part, low[: end - start]) + step[start:end])
+            self._put(part, new)
+            kept = torch.zeros_like(low)
+            kept[: end - start] = rest
+            halves.append((part, kept))
+        (a, low_a), (b, low_b) = halves
+        p.copy_(torch.cat([a, b]).view(p.shape))
+        self._put(words, low_a | (low_b << 16))
 
     # ------------------------------------------------------------------ the step
 
