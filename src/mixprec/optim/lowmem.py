@@ -8,9 +8,9 @@ their dtype, with the arithmetic in fp32. Two choices per param group:
     ``'stochastic'`` (default): stochastic rounding from a seeded counter hash (bf16 only);
     no extra memory. ``'kahan'``: a compensation buffer in the weight's dtype (2 bytes per
     parameter) carries what rounding dropped into the next step. ``'split'``: an exact fp32
-    master held as the bf16 weight plus its low 16 bits (int16, 2 bytes per parameter): O2's
-    arithmetic, bit for bit, in half of O2's extra memory (bf16 only). ``'nearest'``: round to
-    nearest, as O3 (updates below half an ulp are lost).
+    master held as the bf16 weight plus its low 16 bits (two to an int32 word, 2 bytes per
+    parameter): O2's arithmetic, bit for bit, in half of O2's extra memory (bf16 only).
+    ``'nearest'``: round to nearest, as O3 (updates below half an ulp are lost).
 ``states`` (how the moments are stored between steps):
     ``'fp32'`` (8 bytes per parameter for Adam), ``'bf16'`` (4; written with stochastic
     rounding, since bf16 round-to-nearest freezes a second moment that decays by 0.999 per
