@@ -389,9 +389,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
             part = flat[start:end].clone()  # written below; both go back in one copy
             new, rest = split_master(join_master(part, low[: end - start]) + step[start:end])
             self._put(part, new)
-            kept = torch.zeros_like(low)
-            kept[: end - start] = rest
-            halves.append((part, kept))
+            # An odd count leaves the last word's high half unused: 0.
+            halves.append((part, torch.nn.functional.pad(rest, (0, h - (end - start)))))
         (a, low_a), (b, low_b) = halves
         p.copy_(torch.cat([a, b]).view(p.shape))
         self._put(words, low_a | (low_b << 16))
