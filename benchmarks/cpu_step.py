@@ -14,9 +14,12 @@ Rows (each a full step: forward, loss, backward, optimizer, with the dtype's los
 Workloads: the seed MLP, ResNet-50 at CIFAR size, the GPT-2-like decoder (sizes below, chosen
 so that a step takes tens to hundreds of milliseconds on two cores). Every variant is built and
 warmed up first (the compile time of the compiled ones is reported on its own), then the
-variants take turns step by step for ``--rounds`` rounds, so a burst of load from another
-process slows all of them alike; each row reports the median and the ratio to ``torch.amp`` and
-to ``fp32`` of the same rounds.
+variants take turns for ``--rounds`` rounds, so a burst of load from another process slows all
+of them alike; each row reports the median time per step and its ratio to ``torch.amp``'s and
+to ``fp32``'s median over the same rounds, and the ratio to ``torch.amp`` round by round (its
+spread says how much the machine drifted). A variant's turn in a round is as many steps as
+make ``--min-sample-ms`` (estimated from its last warm-up step): a single 4 ms step timed on a
+shared 2-core machine is mostly timer and scheduler noise.
 
 ``--malloc keep`` runs every row with `mixprec.keep_cpu_memory` (freed memory kept for the next
 step); the default, ``system``, leaves the C allocator as it is. Each row reports its minor page
@@ -174,7 +177,10 @@ def main(argv: list[str] | None = None) -> int:
         help=f"comma-separated (default: all): {', '.join(VARIANTS)}",
     )
     parser.add_argument("--dtype", default="bf16", help="bf16 or fp16 (default: bf16)")
-    parser.add_argument("--rounds", type=int, default=7, help="timed rounds (default: 7)")
+    parser.add_argument("--rounds", type=int, default=15, help="timed rounds (default: 15)")
+    parser.add_argument("--min-sample-ms", type=float, default=25.0,
+                        help="each variant's turn in a round runs whole steps until about this "
+                             "long (default: 25; 0: one step)")  # fmt: skip
     parser.add_argument("--warmup", type=int, default=3,
                         help="steps per variant before timing (default: 3; TrainStep compiles "
                              "in its first two)")  # fmt: skip
@@ -208,14 +214,17 @@ def main(argv: list[str] | None = None) -> int:
     for wname in workloads:
         make = known[wname]
         flops = make()[-1]
-        steps, compile_s, trainsteps = {}, {}, {}
+        steps, compile_s, trainsteps, repeats = {}, {}, {}, {}
         for v in variants:
             start = time.perf_counter()
             step, train_step = _build(v, make, dtype)
             for _ in range(args.warmup):
+                last = time.perf_counter()
                 step()
-            compile_s[v] = time.perf_counter() - start
+            now = time.perf_counter()
+            compile_s[v] = now - start
             steps[v], trainsteps[v] = step, train_step
+            repeats[v] = max(1, round(args.min_sample_ms / 1e3 / max(now - last, 1e-6)))
             print(f"  {wname}: {v} built and warmed up in {compile_s[v]:.1f} s", flush=True)
         compiled_before = {v: ts.graphs_compiled for v, ts in trainsteps.items() if ts}
         times: dict[str, list[float]] = {v: [] for v in variants}
@@ -224,10 +233,12 @@ def main(argv: list[str] | None = None) -> int:
             for v in variants:
                 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 start = time.perf_counter()
-                loss = steps[v]()
+                for _ in range(repeats[v]):
+                    loss = steps[v]()
                 loss.item()  # the step is done (on a CPU, it is anyway)
-                times[v].append(time.perf_counter() - start)
-                faults[v] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+                times[v].append((time.perf_counter() - start) / repeats[v])
+                faults[v] += (resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                              - before) / repeats[v]  # fmt: skip
         ref = {r: statistics.median(times[r]) for r in ("torch.amp", "fp32") if r in times}
         for v in variants:
             ms = statistics.median(times[v]) * 1e3
@@ -235,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
             row = {
                 "workload": wname, "variant": v, "dtype": name, "ms_per_step": ms,
                 "vs_torch_amp": ref["torch.amp"] * 1e3 / ms if "torch.amp" in ref else None,
+                "vs_torch_amp_rounds": ([round(a / b, 4) for a, b in
+                                         zip(times["torch.amp"], times[v], strict=True)]
+                                        if "torch.amp" in times else None),
+                "steps_per_sample": repeats[v],
                 "vs_fp32": ref["fp32"] * 1e3 / ms if "fp32" in ref else None,
                 "build_and_warmup_s": compile_s[v],
                 "page_faults_per_step": faults[v] / args.rounds,
@@ -266,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
             "cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "python": platform.python_version(), "rounds": args.rounds,
+            "min_sample_ms": args.min_sample_ms,
             "malloc": str(memory) if memory is not None else "system (as the process found it)",
             "matmul_gflops": {n: p.gflops for n, p in rates.items()},
         }  # fmt: skip
