@@ -136,8 +136,12 @@ PRESETS: dict[OptLevel, _Preset] = {
         "LowMemAdamW/LowMemAdam/LowMemSGD with the same hyperparameters) updates the bf16 "
         "weights directly, computing in fp32 and rounding stochastically from a seeded counter "
         "hash, so updates below bf16's resolution still accumulate on average; its moments "
-        "are stored in 8 bits per value, blockwise (256 values share an fp32 maximum) with "
-        "a quartic code, except tensors under 4096 elements, which stay fp32. Per parameter: "
+        "are stored in 8 bits per value, blockwise (256 values share an fp32 scale) with a "
+        "quartic code, except tensors under 4096 elements, which stay fp32. Each block's "
+        "scale is a bound known before the step (optimizer_states='8bit-bound': from the "
+        "largest value the old codes hold and the gradient's block maximum), so a compiled "
+        "update is one pass; optimizer_states='8bit' scales by the new values' maxima "
+        "instead (finer codes, a second pass). Per parameter: "
         "weight 2 + gradient 2 + two moments 2.03 bytes, against 16 for fp32 AdamW. Overflow "
         "skips, checkpoints and TrainStep work as at every level.",
         "low",
@@ -146,7 +150,7 @@ PRESETS: dict[OptLevel, _Preset] = {
         "stochastic",
         1.0,
         "fp32",
-        "8bit",
+        "8bit-bound",
     ),
 }
 
@@ -163,8 +167,8 @@ OPTIMIZER_STATES = {
     "fp32": "the optimizer's own state (torch's: the dtype of what it steps)",
     "bf16": "bf16 moments, written with stochastic rounding (2 bytes per moment)",
     "8bit": "8-bit blockwise quartic-code moments (about 1.016 bytes per moment)",
-    "8bit-bound": "as '8bit', each block's scale a bound known before the step: a compiled "
-    "step in one pass (faster), codes up to ~1.5x coarser",
+    "8bit-bound": "as '8bit', each block's scale a bound known before the step (O4's): a "
+    "compiled update in one pass, codes a little coarser",
 }
 
 #: The override names `initialize` accepts (Apex's, plus mixprec's `policy` and `num_losses`).

@@ -18,7 +18,7 @@ their dtype, with the arithmetic in fp32. Two choices per param group:
     tensors under ``min_quantized`` elements, 4096 by default, stay fp32: norms and biases
     are a negligible share of memory and the most sensitive to quantization),
     ``'8bit-bound'`` (the same storage, each block's scale a bound known before the step:
-    a compiled step in one pass, coarser codes; `_moment`).
+    a compiled update in one pass, a little coarser codes; `_moment`; O4's choice).
 
 Everything the step keeps is a tensor in ``self.state[p]``: the step counter (fp32, as torch's),
 the rounding seed (int64), the compensation buffer, the moments or their 8-bit codes (four per
@@ -74,7 +74,7 @@ STATES = {
     "bf16": "bf16 moments written with stochastic rounding (2 bytes)",
     "8bit": "blockwise 8-bit (quartic-code) moments with an fp32 maximum per block (~1.016 bytes)",
     "8bit-bound": "as '8bit', each block's scale a bound known before the step: one compiled "
-    "pass (faster), coarser codes",
+    "pass (faster), a little coarser codes",
 }
 _SALT = 0x5BD1E995  # separates the random bits of the weight and of each moment
 
@@ -307,31 +307,38 @@ class LowMemOptimizer(torch.optim.Optimizer):
         """The moment `name` after this step, ``rule(old, g)`` in fp32, stored; returned.
 
         8-bit states are encoded relative to a scale per block: with ``states='8bit'`` the
-        block's largest new value, with ``'8bit-bound'`` an upper bound of it known before
-        the new values are. `rule` combines its two arguments with non-negative weights
-        (Adam's moments, SGD's momentum), so ``rule(old scale, the gradient's block
-        maximum)`` bounds ``|rule(old, g)|`` (the old values never exceed their scale).
+        block's largest new value, with ``'8bit-bound'`` (O4's) an upper bound of it known
+        before the new values are: ``rule(the largest magnitude the old codes decode to, the
+        gradient's block maximum)``. `rule` combines its two arguments with non-negative
+        weights (Adam's moments, SGD's momentum), so that bounds ``|rule(old, g)|``.
 
         Why the bound: a block's maximum needs the whole update computed before any of it
         can be encoded, and compiled (inductor, CPU) that is a second pass that computes it
-        again; with the bound the update is one pass (4 x Linear(512), AdamW, bf16, one
-        thread: O4's step 1.45-1.52x O2's with maxima, 1.06-1.10x with the bound). The cost:
-        the bound is looser than the maximum, by what the step adds and by how loose the old
-        scale already was (it follows the gradients' block maxima, not the values: a few
-        times the values' maximum for Adam's first moment in a simulation, 4.8x; 2.5x for
-        the second), and the code's resolution goes as the fourth root of that (1.3-1.5x
-        coarser steps). Measured: the char-level GPT's validation loss 1.0% above fp32's
-        mean (3 seeds), against 0.7% below with maxima (docs/memory.md).
+        again; with the bound the update is one pass, after a pass over the old code words
+        alone (4 x Linear(512), AdamW, bf16, one thread, AMD EPYC with avx512_bf16: O4's step
+        1.12-1.14x O2's with the bound, 1.44-1.49x with maxima). The cost: the bound is looser
+        than the maximum by what one step adds (in a simulation with noisy gradients, 1.35x
+        for Adam's first moment, 1.05x for the second; a bound carried over from the old
+        scale instead drifted to 4x and 6.5x), and the code's steps grow as the fourth root
+        of that. Measured on the char-level GPT (3 seeds): validation loss 0.7% above fp32's
+        mean with the bound, 0.7% below with maxima (docs/memory.md).
         """
         new = rule(self._read(group, state, name, signed, g.shape), g)
         scale = None
         if state[name].dtype == torch.int32 and group["states"] == "8bit-bound":
-            old = state[name + "_absmax"]
-            if isinstance(state, _Plane):
-                old = old.view(codes.PLANES, -1)[state.plane]
-            scale = rule(old, self._gradient_maxima(group, state, g))
+            scale = _per_block(rule(self._old_peak(state, name, signed),
+                                    self._gradient_maxima(group, state, g)))  # fmt: skip
         self._write(group, state, name, signed, new, salt, scale)
         return new
+
+    @staticmethod
+    def _old_peak(state: dict[str, Any], name: str, signed: bool) -> torch.Tensor:
+        """The largest magnitude each block of the moment `name` holds now, from its codes."""
+        words, absmax = state[name], state[name + "_absmax"]
+        if isinstance(state, _Plane):
+            absmax = absmax.view(codes.PLANES, -1)[state.plane]
+            return codes.plane_peak(words, absmax, state.plane, signed)
+        return codes.peaks(words, absmax, signed)
 
     @staticmethod
     def _gradient_maxima(group: dict[str, Any], state: dict[str, Any],
@@ -704,6 +711,16 @@ def _packed_low_bits(state_dict: dict[str, Any]) -> dict[str, Any]:
             entry = {**entry, "lo": pack_halves(lo.reshape(-1).to(torch.int32) & 0xFFFF)}
         new[pid] = entry
     return {**state_dict, "state": new}
+
+
+def _per_block(t: torch.Tensor) -> torch.Tensor:
+    """1-D `t` (one value per block), computed once when compiled, not in every vector of
+    the elements' loop: a reduction over 16 copies of each value, which inductor cannot
+    inline (over two copies, as `computed_once`, it unrolls into an elementwise max and
+    inlines that). Eagerly `t` itself."""
+    if not torch.compiler.is_compiling():
+        return t
+    return t.unsqueeze(-1).expand(*t.shape, 16).amax(-1)
 
 
 def _l2(group: dict[str, Any], g: torch.Tensor, w: Any) -> torch.Tensor:
