@@ -139,9 +139,10 @@ PRESETS: dict[OptLevel, _Preset] = {
         "are stored in 8 bits per value, blockwise (256 values share an fp32 scale) with a "
         "quartic code, except tensors under 4096 elements, which stay fp32. Each block's "
         "scale is a bound known before the step (optimizer_states='8bit-bound': from the "
-        "largest value the old codes hold and the gradient's block maximum), so a compiled "
-        "update is one pass; optimizer_states='8bit' scales by the new values' maxima "
-        "instead (finer codes, a second pass). Per parameter: "
+        "largest value the old codes hold and the gradient's block maximum; second moments' "
+        "codes rounded stochastically), so a compiled update is one pass; "
+        "optimizer_states='8bit' scales by the new values' maxima instead (finer codes, a "
+        "second pass). Per parameter: "
         "weight 2 + gradient 2 + two moments 2.03 bytes, against 16 for fp32 AdamW. Overflow "
         "skips, checkpoints and TrainStep work as at every level.",
         "low",

@@ -78,20 +78,27 @@ def _value(q: torch.Tensor, signed: bool) -> torch.Tensor:
 
 
 def quantize_plane(
-    plane: torch.Tensor, block: int, signed: bool, scale: torch.Tensor | None = None
+    plane: torch.Tensor,
+    block: int,
+    signed: bool,
+    scale: torch.Tensor | None = None,
+    noise: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One plane (1-D fp32, whole blocks) as (int32 codes in [0, 255], fp32 block scales).
 
     The codes are bytes in int32 lanes (signed codes in two's complement); `quantize` shifts
     each plane's into its byte of the words. `scale` (one per block) is used instead of the
-    blocks' maxima where given (see `quantize`).
+    blocks' maxima where given (see `quantize`); `noise` (values in [0, 1), `plane`'s shape)
+    rounds the codes stochastically instead of to nearest.
     """
     levels = float(_levels(signed))
     blocks = plane.view(-1, block)
     absmax = blocks.abs().amax(dim=1) if scale is None else scale
     inverse = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
     r = (blocks.abs() * inverse.unsqueeze(1)).view(-1)
-    q = torch.round(r.sqrt().sqrt() * levels).clamp(max=levels).to(torch.int32)
+    x = r.sqrt().sqrt() * levels
+    q = (torch.round(x) if noise is None else torch.floor(x + noise)).clamp(max=levels)
+    q = q.to(torch.int32)
     # The sign from `plane`, and each intermediate used once: compiled, a value used twice
     # that reads more than 4 tensors is written to memory and read back (inductor's CPU
     # heuristic), which made the 8-bit step's one pass two.
@@ -111,14 +118,22 @@ def dequantize_plane(
 
 
 def quantize(
-    x: torch.Tensor, block: int, signed: bool, scale: torch.Tensor | None = None
+    x: torch.Tensor,
+    block: int,
+    signed: bool,
+    scale: torch.Tensor | None = None,
+    noise: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`x` (any shape, fp32) as (int32 words, ``padded_size / 4``; fp32 block scales).
 
     A block's scale is its absolute maximum, or `scale` (one value per block) where given:
     any upper bound of the block's magnitudes (a value above its scale is coded as the
     scale). A bound known before the values are is what lets a compiled optimizer step
-    encode in the same pass that computes them (`mixprec.optim.lowmem`).
+    encode in the same pass that computes them (`mixprec.optim.lowmem`). `noise` (values in
+    [0, 1), one per element of the padded tensor) rounds each code up with the probability
+    of its fraction instead of to nearest: against a bound, a value close to the scale would
+    otherwise always be stored as the scale itself, and an optimizer that starts the next
+    step from that value drifts upward step after step.
 
     Unsigned (`signed=False`, second moments): zero is kept for exact zeros only. A small
     positive second moment rounded to 0 would make Adam divide its first moment by eps alone
@@ -131,8 +146,9 @@ def quantize(
     if pad:
         flat = torch.nn.functional.pad(flat, (0, pad))
     scales = [None] * PLANES if scale is None else list(scale.view(PLANES, -1))
-    planes = [quantize_plane(plane, block, signed, s)
-              for plane, s in zip(flat.view(PLANES, -1), scales, strict=True)]  # fmt: skip
+    noises = [None] * PLANES if noise is None else list(noise.view(PLANES, -1))
+    parts = zip(flat.view(PLANES, -1), scales, noises, strict=True)
+    planes = [quantize_plane(plane, block, signed, s, n) for plane, s, n in parts]
     return pack([q for q, _ in planes]), torch.cat([absmax for _, absmax in planes])
 
 

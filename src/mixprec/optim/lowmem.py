@@ -56,6 +56,7 @@ from mixprec.optim.rounding import (
     pack_halves,
     split_master,
     stochastic_round,
+    uniform,
     unpack_halves,
 )
 
@@ -248,7 +249,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
         """The state of `p` before its first step: counters, key, buffers, zero moments."""
         state: dict[str, Any] = {"step": torch.zeros((), dtype=torch.float32, device=p.device)}
         low = p.dtype != torch.float32
-        if (low and group["weights"] == "stochastic") or group["states"] == "bf16":
+        if (low and group["weights"] == "stochastic") or group["states"] in ("bf16", "8bit-bound"):
             seed = mix_seed(group["seed"], index)
             state["key"] = torch.tensor(seed, dtype=torch.int64, device=p.device)
         if low and group["weights"] == "kahan":
@@ -289,10 +290,27 @@ class LowMemOptimizer(torch.optim.Optimizer):
         held = state[name]
         if held.dtype == torch.int32:  # 8-bit codes
             block = group["block_size"]
+            noise = None
+            if scale is not None and not signed:
+                # Against a bound, second moments' codes round stochastically: to nearest,
+                # a block's top value near the bound is stored as the bound, and the next
+                # step, starting from it, drifts upward (`codes.quantize`; docs/memory.md).
+                # The bits: the low half of the weights' stochastic-rounding hash (one hash
+                # for both when compiled). First moments keep round to nearest (measured:
+                # no loss from their bound).
+                def make() -> torch.Tensor:
+                    return counter_stream(state["key"], state["step"])
+
+                stream = self._once(state, "stream", make)
+                offset = state.offset if isinstance(state, _Plane) else 0
+                size = value.numel() if isinstance(state, _Plane) else held.numel() * 4
+                noise = uniform(stream, size, offset)
             if isinstance(state, _Plane):
-                state.pending[name] = codes.quantize_plane(value, block, signed, scale)
+                if noise is not None:
+                    noise = noise.view(value.shape)
+                state.pending[name] = codes.quantize_plane(value, block, signed, scale, noise)
                 return
-            q, absmax = codes.quantize(value, block, signed, scale)
+            q, absmax = codes.quantize(value, block, signed, scale, noise)
             self._put(held, q)
             self._put(state[name + "_absmax"], absmax)
         elif held.dtype == torch.bfloat16:
@@ -316,12 +334,12 @@ class LowMemOptimizer(torch.optim.Optimizer):
         can be encoded, and compiled (inductor, CPU) that is a second pass that computes it
         again; with the bound the update is one pass, after a pass over the old code words
         alone (4 x Linear(512), AdamW, bf16, one thread, AMD EPYC with avx512_bf16: O4's step
-        1.12-1.14x O2's with the bound, 1.44-1.49x with maxima). The cost: the bound is looser
-        than the maximum by what one step adds (in a simulation with noisy gradients, 1.35x
-        for Adam's first moment, 1.05x for the second; a bound carried over from the old
-        scale instead drifted to 4x and 6.5x), and the code's steps grow as the fourth root
-        of that. Measured on the char-level GPT (3 seeds): validation loss 0.7% above fp32's
-        mean with the bound, 0.7% below with maxima (docs/memory.md).
+        1.14x O2's with the bound, 1.45x with maxima). The bound is looser than the maximum by
+        what one step adds (in a simulation with noisy gradients, 1.35x for Adam's first
+        moment, 1.05x for the second; a bound carried over from the old scale instead drifted
+        to 4x and 6.5x), and unsigned codes against it round stochastically (`_write`).
+        Measured on the char-level GPT (3 seeds): validation loss 0.1% below fp32's mean with
+        the bound, 0.7% below with maxima (docs/memory.md).
         """
         new = rule(self._read(group, state, name, signed, g.shape), g)
         scale = None
@@ -599,6 +617,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
         groups = state_dict.get("param_groups", []) if isinstance(state_dict, dict) else []
         ids = [i for g in groups for i in g.get("params", [])]
         by_id = dict(zip(ids, params, strict=False))
+        keys = {}  # seeds a state dict lacks (saved before its mode drew random bits)
         for pid, entry in saved.items():
             param = by_id.get(pid)
             if param is None or not isinstance(entry, dict):
@@ -612,6 +631,8 @@ class LowMemOptimizer(torch.optim.Optimizer):
             for key, want in expected.items():
                 have = entry.get(key)
                 if key == "key" and have is None:
+                    index = next(i for i, q in enumerate(params, 1) if q is param)
+                    keys[pid] = mix_seed(saved_group.get("seed", 0), index)
                     continue
                 if (
                     not isinstance(have, torch.Tensor)
@@ -634,6 +655,10 @@ class LowMemOptimizer(torch.optim.Optimizer):
                     device = local_tensor(param).device
                     dtype = torch.float32 if key == "step" else value.dtype
                     self.state[param][key] = value.to(device=device, dtype=dtype, copy=True)
+            if pid in keys:
+                device = local_tensor(param).device
+                self.state[param]["key"] = torch.tensor(keys[pid], dtype=torch.int64,
+                                                        device=device)  # fmt: skip
 
 
 class LowMemAdamW(LowMemOptimizer):

@@ -32,7 +32,8 @@ from __future__ import annotations
 import torch
 
 __all__ = ["computed_once", "counter_stream", "hash_bits", "join_master", "kahan_add", "mix_seed",
-           "pack_halves", "split_master", "stochastic_round", "unpack_halves"]  # fmt: skip
+           "pack_halves", "split_master", "stochastic_round", "uniform",
+           "unpack_halves"]  # fmt: skip
 
 _M32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9  # the Weyl increment (2^32 / golden ratio, odd)
@@ -122,6 +123,14 @@ def _element_bits(step: torch.Tensor, numel: int, offset: int) -> torch.Tensor:
         index = torch.arange(offset, offset + numel, device=device, dtype=torch.int64)
         index = _to_int32(index & _M32)
     return _fmix32(index * _signed(_GOLDEN) + step)
+
+
+def uniform(stream: torch.Tensor, numel: int, offset: int = 0) -> torch.Tensor:
+    """Elements ``offset ... offset + numel - 1``'s fp32 values in [0, 1) from the counter hash
+    of `stream` (`counter_stream`): the low 16 bits of each element's `hash_bits`.
+    `stochastic_round` takes the high 16 of the same hash, so one stream serves both
+    independently, and compiled code computes the hash once for the two."""
+    return (_element_bits(stream, numel, offset) & 0xFFFF).float() * 2.0**-16
 
 
 def stochastic_round(x: torch.Tensor, stream: torch.Tensor, offset: int = 0) -> torch.Tensor:
