@@ -479,7 +479,14 @@ def test_a_state_dict_whose_state_does_not_fit_is_refused_and_nothing_changes():
     other_model, other = _o4(_mlp(width=128), optimizer_states="fp32")
     other.load_state_dict(sd)
     assert other.param_groups[0]["states"] == "8bit-bound"  # O4's
-    assert _bitwise(before, _state_bits(other)[: len(before)]) or True
+
+    # Its state is the checkpoint's, tensor for tensor (the parameters are the new model's).
+    def states(o):
+        inner = getattr(o, "optimizer", o)
+        return [v for g in inner.param_groups for q in g["params"]
+                for v in inner.state.get(q, {}).values() if torch.is_tensor(v)]  # fmt: skip
+
+    assert _bitwise(states(opt), states(other))
     F.cross_entropy(other_model(x), y).backward()
     other.step()  # runs with the loaded 8-bit layout
 
